@@ -1,0 +1,4 @@
+import sys
+from jetrl.cli import main
+
+sys.exit(main())

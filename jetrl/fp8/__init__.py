@@ -1,0 +1,49 @@
+"""FP8 core: the one quantizer, block-FP8 GEMMs, Float8Linear and the precision recipes."""
+
+from jetrl.fp8.convert import (
+    check_model_precision,
+    convert_to_float8,
+    default_module_filter,
+    float8_modules,
+    refresh_weight_caches,
+)
+from jetrl.fp8.gemm import fp8_gemm, gemm_emulated, override_backend, resolve_backend
+from jetrl.fp8.linear import Float8Linear
+from jetrl.fp8.quant import Float8Blocks, NonFiniteError, quantize, record_quantization
+from jetrl.fp8.recipe import (
+    RECIPE_NAMES,
+    LinearPrecision,
+    OffPolicyRecipeError,
+    QuantSpec,
+    Recipe,
+    check_rollout_subgraph,
+    current_phase,
+    get_recipe,
+    precision_phase,
+)
+
+__all__ = [
+    "RECIPE_NAMES",
+    "Float8Blocks",
+    "Float8Linear",
+    "LinearPrecision",
+    "NonFiniteError",
+    "OffPolicyRecipeError",
+    "QuantSpec",
+    "Recipe",
+    "check_model_precision",
+    "check_rollout_subgraph",
+    "convert_to_float8",
+    "current_phase",
+    "default_module_filter",
+    "float8_modules",
+    "fp8_gemm",
+    "gemm_emulated",
+    "get_recipe",
+    "override_backend",
+    "precision_phase",
+    "quantize",
+    "record_quantization",
+    "refresh_weight_caches",
+    "resolve_backend",
+]

@@ -1,0 +1,142 @@
+"""Block-scaled FP8 GEMM: one signature, several backends, the emulation is the spec.
+
+Every FP8 GEMM in jetrl is an "NT" product of two K-major operands,
+
+    out[M, N] = deq(a)[M, K] @ deq(b)[N, K]^T,
+
+where ``a`` is quantized in 1x128 groups along K and ``b`` in 128x128 blocks (a weight) or
+in 1x128 groups along K (the wgrad operand). The three GEMMs of a linear layer y = x W^T map
+onto it as (design.md §4):
+
+    fprop  Y[M,N]  = X[M,K]   . W[N,K]^T     a = q(X, 1x128)      b = q(W, 128x128)
+    dgrad  dX[M,K] = dY[M,N]  . W^T[K,N]^T   a = q(dY, 1x128)     b = q(W, 128x128).t()
+    wgrad  dW[N,K] = dY^T[N,M] . X^T[K,M]^T  a = q(dY^T, 1x128)   b = q(X^T, 1x128)
+
+Backends, resolved once per device type and overridable (``override_backend``, or the
+``JETRL_GEMM_BACKEND`` environment variable):
+
+* ``emulated``: dequantize both operands to fp32 and matmul. Runs everywhere; it *is* the
+  specification the fast paths are tested against.
+* ``scaled_mm``: ``torch.nn.functional.scaled_mm`` with BlockWise1x128 / BlockWise128x128
+  scaling (cuBLAS, SM90+). Layouts measured on the H200 (design.md §3): ``a`` row-major,
+  ``b`` passed as a column-major (K, N) view of the K-major codes; 1x128 scales (rows, K/128)
+  column-major; 128x128 scales as a (K/128, N/128) view with strides (1, K/128). Dims that
+  are not multiples of 128 (K, N) or 16 (M) are zero-padded: zero codes add nothing.
+  It accumulates in the tensor cores' reduced-precision fp32, so it agrees with the
+  emulation to about 2e-3 relative, not bitwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from jetrl.fp8.quant import BLOCK, Float8Blocks
+
+BACKENDS = ("emulated", "scaled_mm")
+_override: str | None = None
+_resolved: dict[str, str] = {}
+
+
+def fp8_gemm(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """out[M, N] = deq(a) @ deq(b)^T for K-major block-FP8 operands (see module docstring)."""
+    _check_operands(a, b)
+    backend = resolve_backend(a.codes.device)
+    if backend == "scaled_mm":
+        return _scaled_mm(a, b, out_dtype)
+    return gemm_emulated(a, b, out_dtype)
+
+
+def gemm_emulated(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The spec: dequantize to fp32 (exact) and multiply in fp32."""
+    return (a.dequantize(torch.float32) @ b.dequantize(torch.float32).t()).to(out_dtype)
+
+
+def resolve_backend(device: torch.device | str) -> str:
+    """The backend for ``device``: the override if set, else chosen once per device type."""
+    if _override is not None:
+        return _override
+    device = torch.device(device)
+    key = f"{device.type}:{device.index}"
+    if key not in _resolved:
+        env = os.environ.get("JETRL_GEMM_BACKEND")
+        if env is not None and env not in BACKENDS:
+            raise ValueError(f"JETRL_GEMM_BACKEND={env!r} is not a backend; use one of {BACKENDS}")
+        _resolved[key] = env or ("scaled_mm" if has_block_scaled_mm(device) else "emulated")
+    return _resolved[key]
+
+
+def has_block_scaled_mm(device: torch.device) -> bool:
+    """True on CUDA SM90+ with a torch that exposes block-scaled ``F.scaled_mm``."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+@contextlib.contextmanager
+def override_backend(name: str) -> Iterator[None]:
+    """Force a backend inside the block (tests, benchmarks)."""
+    global _override
+    if name not in BACKENDS:
+        raise ValueError(f"unknown FP8 GEMM backend {name!r}; use one of {BACKENDS}")
+    previous, _override = _override, name
+    try:
+        yield
+    finally:
+        _override = previous
+
+
+def _check_operands(a: Float8Blocks, b: Float8Blocks) -> None:
+    if a.codes.dim() != 2 or b.codes.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(
+            f"fp8_gemm computes a[M,K] @ b[N,K]^T: contraction dims differ, a {tuple(a.shape)} vs "
+            f"b {tuple(b.shape)}; pass both operands K-major (quantize x.t() for a K-by-M tensor)"
+        )
+    if a.block != (1, BLOCK):
+        raise ValueError(f"fp8_gemm: operand a must be quantized in (1, {BLOCK}) groups, got {a.block}")
+    if b.block not in ((1, BLOCK), (BLOCK, BLOCK)):
+        raise ValueError(
+            f"fp8_gemm: operand b must be quantized in (1, {BLOCK}) or ({BLOCK}, {BLOCK}) blocks, got {b.block}"
+        )
+    if a.codes.device != b.codes.device:
+        raise ValueError(f"fp8_gemm: operands on different devices ({a.codes.device} vs {b.codes.device})")
+
+
+def _pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Zero-pad codes (or pad scales with 1.0) up to multiples of (rows, cols)."""
+    pad_r, pad_c = -t.shape[0] % rows, -t.shape[1] % cols
+    if not (pad_r or pad_c):
+        return t
+    if t.dtype == torch.float32:
+        return F.pad(t, (0, pad_c, 0, pad_r), value=1.0)
+    # F.pad has no float8 kernel: pad the raw bytes (code 0x00 is +0.0).
+    return F.pad(t.view(torch.uint8), (0, pad_c, 0, pad_r)).view(t.dtype)
+
+
+def _scaled_mm(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype) -> torch.Tensor:
+    m, n = a.shape[0], b.shape[0]
+    a_codes = _pad(a.codes, 16, BLOCK)  # (Mp, Kp) row-major
+    b_codes = _pad(b.codes, BLOCK if b.block[0] == BLOCK else 16, BLOCK)  # (Np, Kp) K-major
+    scale_a = _pad(a.scales, 16, 1).t().contiguous().t()  # (Mp, Kp/128) column-major
+    if b.block == (BLOCK, BLOCK):
+        scale_b = b.scales.t()  # (Kp/128, Np/128) with strides (1, Kp/128)
+        recipe_b = F.ScalingType.BlockWise128x128
+    else:
+        scale_b = _pad(b.scales, 16, 1).t().contiguous().t()  # (Np, Kp/128) column-major
+        recipe_b = F.ScalingType.BlockWise1x128
+    out = F.scaled_mm(
+        a_codes,
+        b_codes.t(),
+        scale_a,
+        F.ScalingType.BlockWise1x128,
+        scale_b,
+        recipe_b,
+        output_dtype=out_dtype,
+    )
+    return out[:m, :n]

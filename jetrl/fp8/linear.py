@@ -1,0 +1,125 @@
+"""Float8Linear: a drop-in ``nn.Linear`` whose three GEMMs run in block FP8.
+
+One ``autograd.Function`` holds the whole layer (y = x W^T; M tokens, K in, N out):
+
+    fprop  Y[M,N]  = q(X)[M,K] . q(W)[N,K]^T        X 1x128 along K, W 128x128 (cached)
+    dgrad  dX[M,K] = q(dY)[M,N] . q(W)^T[K,N]^T     dY 1x128 along N, W^T from the same codes
+    wgrad  dW[N,K] = q(dY^T)[N,M] . q(X^T)[K,M]^T   both operands 1x128 along tokens M
+
+* The input is saved for backward in FP8, already in the wgrad layout (X^T codes + scales,
+  1 byte/element); the BF16 input is not kept.
+* Gradients between ops stay in the input's dtype (BF16 in a BF16 model), dW is accumulated
+  in fp32 by the GEMM and returned in the master weight's dtype (BF16, or fp32 if chosen).
+* The bias is added outside the Function in high precision, by autograd.
+
+Which precision a call uses comes from the module's :class:`~jetrl.fp8.recipe.Recipe` and
+the current phase (``precision_phase("rollout")`` in the engine): under ``jet`` both phases
+run this same FP8 forward on the same cached weight codes; under ``fp8_rollout`` training
+runs a plain BF16 ``F.linear`` and only the rollout is FP8.
+
+Why not a tensor subclass: one Function is enough, and keeps the data flow readable
+(nanochat and torchao's own comparison).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from jetrl.fp8.gemm import fp8_gemm
+from jetrl.fp8.quant import Float8Blocks, quantize
+from jetrl.fp8.recipe import LinearPrecision, Recipe, current_phase
+from jetrl.fp8.weight_cache import WeightCache
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class _Float8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, cache: WeightCache, spec: LinearPrecision, name: str, save_for_wgrad: bool):
+        w_q = cache.get(weight, spec.weight)
+        x_q = quantize(x2d, spec.input.block, pow2_scale=spec.input.pow2_scale, name=f"{name}.input")
+        y = fp8_gemm(x_q, w_q, out_dtype=x2d.dtype)  # (M, N)
+        ctx.cache, ctx.spec, ctx.name, ctx.x_dtype = cache, spec, name, x2d.dtype
+        if save_for_wgrad and spec.grad_output is not None:
+            xt_q = quantize(x2d.t(), spec.wgrad.block, pow2_scale=spec.wgrad.pow2_scale, name=f"{name}.input_t")
+            ctx.save_for_backward(weight, xt_q.codes, xt_q.scales)  # X^T (K, M) in FP8
+        else:
+            ctx.save_for_backward(weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        spec, name = ctx.spec, ctx.name
+        weight, *saved = ctx.saved_tensors
+        grad_y = grad_y.contiguous()  # (M, N)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            dy_q = quantize(grad_y, spec.grad_output.block, pow2_scale=spec.grad_output.pow2_scale, name=f"{name}.grad_output")
+            wt_q = ctx.cache.get_transposed(weight, spec.weight)  # (K, N)
+            grad_x = fp8_gemm(dy_q, wt_q, out_dtype=ctx.x_dtype)  # (M, K)
+        if ctx.needs_input_grad[1]:
+            if not saved:
+                raise RuntimeError(f"{name}: wgrad needs the FP8 input saved in forward; run forward with grad enabled")
+            xt_q = Float8Blocks(saved[0], saved[1], spec.wgrad.block)
+            dyt_q = quantize(grad_y.t(), spec.wgrad.block, pow2_scale=spec.wgrad.pow2_scale, name=f"{name}.grad_output_t")
+            grad_w = fp8_gemm(dyt_q, xt_q, out_dtype=torch.float32).to(weight.dtype)  # (N, K)
+        return grad_x, grad_w, None, None, None, None
+
+
+class Float8Linear(nn.Linear):
+    """``nn.Linear`` computed under a precision :class:`Recipe`; shares the original parameters.
+
+    Build with :meth:`from_float` (or :func:`jetrl.fp8.convert_to_float8`).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe: Recipe,
+                 name: str = "linear", device=None, dtype=None) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.recipe = recipe
+        self.fqn = name
+        self.weight_cache = WeightCache(f"{name}.weight")
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, recipe: Recipe, name: str = "linear") -> Float8Linear:
+        """Wrap ``linear`` without copying: the new module holds the same Parameter objects."""
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe=recipe, name=name)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        return new
+
+    def precision(self) -> LinearPrecision:
+        return self.recipe.linear(current_phase())
+
+    def quantized_weight(self) -> Float8Blocks | None:
+        """The cached FP8 weight the rollout reads (and the export writes); None if the rollout is BF16."""
+        spec = self.recipe.rollout.weight or self.recipe.train.weight
+        return None if spec is None else self.weight_cache.get(self.weight, spec)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spec = self.precision()
+        if not spec.is_fp8:
+            return F.linear(x, self.weight, self.bias)
+        self._check_input(x)
+        x2d = x.reshape(-1, self.in_features)
+        save_for_wgrad = torch.is_grad_enabled() and self.weight.requires_grad
+        y = _Float8LinearFn.apply(x2d, self.weight, self.weight_cache, spec, self.fqn, save_for_wgrad)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES:
+            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"{self.fqn}: Float8Linear input must be float32/bfloat16/float16, got {got}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"{self.fqn}: input's last dim is {x.shape[-1] if x.dim() else None}, expected "
+                f"in_features={self.in_features} (input shape {tuple(x.shape)})"
+            )
+        if x.numel() == 0:
+            raise ValueError(f"{self.fqn}: empty input of shape {tuple(x.shape)}")
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe.name}"

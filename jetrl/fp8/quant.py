@@ -1,0 +1,192 @@
+"""The one quantizer: every FP8 code and scale in jetrl comes out of :func:`quantize`.
+
+Why one function: Jet-RL is on-policy only if the rollout samples from exactly the
+quantized graph the trainer differentiates. Codebases that quantize "the same way" with
+two implementations disagree in the last bit (divide vs multiply-by-reciprocal, eps
+guards, rounding); see anchors.md §12. So the trainer's forward, the rollout engine and
+the FP8 export all call this function, and a test checks their codes and scales with
+``torch.equal`` on uint8 views.
+
+Format: E4M3 (``torch.float8_e4m3fn``, max 448, no inf, NaN = S.1111.111), FP32 scales.
+
+Granularity is a block shape ``(br, bc)`` over a 2-D tensor ``x`` of shape (R, C):
+
+* ``(1, 128)``   1x128 groups along the contraction dim: activations, output gradients;
+* ``(128, 128)`` blocks: weights;
+* tokens groups for wgrad are ``(1, 128)`` groups of the *transposed* operand, i.e.
+  ``quantize(x.t(), (1, 128))``: the GEMM contracts over tokens, so the groups run along M.
+
+A dim that is not a multiple of the block is padded with zeros inside the quantizer; zeros
+never raise an amax, so the last, partial group is quantized as if it stood alone. The
+returned codes have the input's shape; scales have shape (ceil(R/br), ceil(C/bc)).
+
+The exact formula (it decides the codes, so it is the spec every kernel must match bit
+for bit). Per block B, in float32 (bf16/fp16 inputs are upcast exactly first):
+
+    amax  = max_{i in B} |x_i|                      (NaN if any x_i is NaN)
+    s     = max(amax / 448, 2^-126)                 IEEE fp32 division, then the floor
+    s     = 2^ceil(log2 s)        if pow2_scale     (exact, by exponent bits; UE8M0-style)
+    r     = 1 / s                                   IEEE fp32 reciprocal, once per block
+    q_i   = e4m3_rne(clamp(x_i * r, -448, 448))     multiply by the reciprocal, RNE cast
+    x_i  ~= q_i * s                                 dequantization; ``s`` is what the GEMM
+                                                    and the HF ``weight_scale_inv`` hold
+
+The floor 2^-126 (the smallest normal fp32) guards amax == 0 and keeps ``r`` finite for
+subnormal-tiny inputs; an all-zero block gets codes 0. The explicit clamp makes the
+saturation independent of the backend's cast (x * r can exceed 448 by one fp32 ulp).
+
+Round-trip bound, per element: with v = x * r, |v| <= 448 (plus one ulp), E4M3 keeps 3
+mantissa bits for |v| >= 2^-6 and a fixed step of 2^-9 below, so
+
+    |x - q * s| <= 2^-4 * |x| + 2^-10 * s   (+ fp32 rounding of x * r, about 2^-24 |x|).
+
+NaN/Inf policy: a block that holds a NaN or an Inf gets scale NaN and every code in it
+NaN, so the non-finite value *propagates* through dequantization and every GEMM that
+reads it, never saturating silently into +-448. Callers that must stop at once pass
+``check_finite=True`` (the weight cache always does) and get a :class:`NonFiniteError`
+naming the tensor; the trainer acts on a non-finite loss or gradient for activations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+SCALE_FLOOR = 2.0**-126
+BLOCK = 128
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class NonFiniteError(ValueError):
+    """A tensor that must be finite (weights, or activations under ``check_finite``) is not."""
+
+
+@dataclass(frozen=True)
+class Float8Blocks:
+    """Block-scaled E4M3 tensor: ``codes`` (R, C) float8_e4m3fn and ``scales`` (R/br, C/bc) fp32.
+
+    ``x ~= codes * scales`` broadcast over ``block``. Not a tensor subclass on purpose: the
+    GEMM dispatch and the autograd Function take the two tensors explicitly.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    block: tuple[int, int]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """codes * scale per block, computed in fp32 (exact: 4-bit mantissa times fp32 scale)."""
+        rows, cols = self.codes.shape
+        br, bc = self.block
+        scale = self.scales.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+        return (self.codes.float() * scale).to(dtype)
+
+    def t(self) -> Float8Blocks:
+        """The transposed tensor from the *same* codes (no re-quantization from high precision).
+
+        Exact for square blocks: block (i, j) of W is block (j, i) of W^T with the same scale.
+        This is how dgrad gets W^T from the weight cache.
+        """
+        return Float8Blocks(self.codes.t().contiguous(), self.scales.t().contiguous(), self.block[::-1])
+
+
+def amax_to_scale(amax: torch.Tensor, pow2_scale: bool = False) -> torch.Tensor:
+    """fp32 dequant scale from a per-block amax (see the module docstring); NaN if amax is not finite."""
+    scale = torch.clamp_min(amax / E4M3_MAX, SCALE_FLOOR)
+    if pow2_scale:
+        # Round up to a power of two by exponent bits: exact, unlike exp2(ceil(log2(s))).
+        # s >= 2^-126 is normal, so bits = sign 0 | exponent | mantissa.
+        bits = scale.view(torch.int32)
+        exponent = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+        scale = (exponent << 23).view(torch.float32)
+    return torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+
+
+def quantize(
+    x: torch.Tensor,
+    block: tuple[int, int] = (1, BLOCK),
+    *,
+    pow2_scale: bool = False,
+    check_finite: bool = False,
+    name: str = "tensor",
+) -> Float8Blocks:
+    """Quantize a 2-D tensor to block-scaled E4M3 with the formula in the module docstring.
+
+    ``name`` is used in error messages only (e.g. ``"model.layers.0.mlp.up_proj.weight"``).
+    """
+    _validate(x, block, name)
+    rows, cols = x.shape
+    br, bc = block
+    xf = x.float()
+    pad_rows, pad_cols = -rows % br, -cols % bc
+    if pad_rows or pad_cols:
+        xf = F.pad(xf, (0, pad_cols, 0, pad_rows))
+    xb = xf.view(xf.shape[0] // br, br, xf.shape[1] // bc, bc)  # (Rb, br, Cb, bc)
+    amax = xb.abs().amax(dim=(1, 3))  # (Rb, Cb); NaN-propagating
+    scales = amax_to_scale(amax, pow2_scale)
+    reciprocal = 1.0 / scales
+    codes = (xb * reciprocal[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    codes = codes.view(xf.shape)[:rows, :cols]
+    if pad_rows or pad_cols:
+        codes = codes.contiguous()
+    out = Float8Blocks(codes, scales, (br, bc))
+    if check_finite:
+        assert_finite(out, name)
+    for recorder in _RECORDERS:
+        recorder.append((name, out))
+    return out
+
+
+def assert_finite(q: Float8Blocks, name: str) -> None:
+    """Raise :class:`NonFiniteError` naming ``name`` if any block of ``q`` held a NaN or an Inf."""
+    bad = ~torch.isfinite(q.scales)
+    if bool(bad.any()):
+        blocks = bad.nonzero()[:4].tolist()
+        raise NonFiniteError(
+            f"{name}: {int(bad.sum())} of {bad.numel()} FP8 blocks of shape {q.block} hold NaN/Inf "
+            f"(first block indices {blocks}). FP8 would turn them into NaN codes. Fix the source: "
+            "lower the learning rate or enable gradient clipping, or reload the last good checkpoint."
+        )
+
+
+def _validate(x: torch.Tensor, block: tuple[int, int], name: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: quantize expects a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(
+            f"{name}: cannot quantize dtype {x.dtype} to FP8; pass float32, bfloat16 or float16 "
+            "(cast with .float() first)"
+        )
+    if x.dim() != 2 or x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(
+            f"{name}: quantize expects a non-empty 2-D tensor (rows, cols), got shape {tuple(x.shape)}; "
+            "flatten leading dims with x.reshape(-1, x.shape[-1])"
+        )
+    if len(block) != 2 or min(block) < 1:
+        raise ValueError(f"{name}: block must be two positive ints like (1, 128) or (128, 128), got {block}")
+
+
+# ---------------------------------------------------------------------------------------
+# Recording: a tap that sees every (name, Float8Blocks) the quantizer produces. Used by the
+# single-quantizer test and by per-layer diagnosis; free when nobody records.
+_RECORDERS: list[list[tuple[str, Float8Blocks]]] = []
+
+
+@contextlib.contextmanager
+def record_quantization() -> Iterator[list[tuple[str, Float8Blocks]]]:
+    """Collect every quantize() output produced inside the block, in call order."""
+    log: list[tuple[str, Float8Blocks]] = []
+    _RECORDERS.append(log)
+    try:
+        yield log
+    finally:
+        _RECORDERS.remove(log)

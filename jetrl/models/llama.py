@@ -1,0 +1,288 @@
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3) in plain PyTorch.
+
+Why: the RL stack needs a model it fully owns -- parameter names identical to HF
+``transformers`` (so checkpoints map 1:1), every projection an ``nn.Linear`` module
+(so an FP8 transform can swap them), and one explicit place where K/V are produced
+(so an FP8 KV cache can quantize them there). No HF runtime dependency.
+
+Math, per layer (pre-norm residual):
+
+    RMSNorm(x)  = w * (x / sqrt(mean(x^2) + eps))      computed in fp32, cast back before * w
+    q, k, v     = W_q n, W_k n, W_v n                   (+ bias for Qwen2), n = RMSNorm(x)
+    q, k        = RMSNorm_head(q), RMSNorm_head(k)      (Qwen3 only, per head, before RoPE)
+    RoPE(x)_p   = x * cos(p * inv_freq) + rotate_half(x) * sin(p * inv_freq)
+                  with HF's half-split convention: rotate_half([a, b]) = [-b, a]
+    attn        = softmax(q k^T / sqrt(d) + causal/padding mask) v, each kv head shared by
+                  num_heads / num_kv_heads query heads (GQA)
+    h           = x + W_o attn
+    out         = h + W_down(silu(W_gate m) * W_up m), m = RMSNorm(h)
+
+Padding: ``attention_mask`` (1 = token, 0 = pad) handles left and right padding; the
+default ``position_ids`` are ``cumsum(mask) - 1`` clamped at 0, so a left-padded row gets
+the same positions as the unpadded sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from jetrl.models.config import ModelConfig
+
+
+class KVCache(Protocol):
+    """What ``CausalLM.forward(kv_cache=...)`` needs from a cache.
+
+    ``offset`` is the number of positions already cached; it is read once, at the start
+    of a forward call, before any ``update``. ``update(layer_idx, k, v)`` receives this
+    call's keys/values as ``(B, num_kv_heads, T, head_dim)`` -- after RoPE and k-norm --
+    stores them and returns the keys/values to attend over, ``(B, num_kv_heads, offset + T,
+    head_dim)``.
+    """
+
+    offset: int
+
+    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    """fp32 inverse frequencies (head_dim // 2,), with optional Llama-3 scaling; on CPU."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
+    rs = config.rope_scaling
+    if rs is None:
+        return inv_freq
+    factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old_len = rs["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Maps position ids to (cos, sin) of shape (B, T, head_dim) in the activation dtype.
+
+    ``inv_freq`` is a plain fp32 attribute, not a buffer: it never lands in state dicts,
+    survives ``model.to(torch.bfloat16)`` at full precision and needs no re-init after a
+    meta-device construction. It follows ``position_ids`` to their device lazily.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.inv_freq = rope_inv_freq(config)
+
+    def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        if self.inv_freq.device != position_ids.device:
+            self.inv_freq = self.inv_freq.to(position_ids.device)
+        freqs = position_ids[..., None].float() * self.inv_freq  # (B, T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: (B, H, T, D); cos/sin: (B, T, D)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = hd = config.head_dim
+        h, qkv_bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * hd, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * hd, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, h, bias=config.attention_out_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, kv_cache: KVCache | None = None
+    ) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # KV hook: the single place where final K/V (post k-norm, post RoPE) exist.
+        # A cache stores them here (an FP8 cache quantizes here) and returns all K/V to attend over.
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)
+        out = self._attend(q, k, v, mask)  # (B, H, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """SDPA over q (B, H, T, D) and k/v (B, Hkv, S, D).
+
+        ``mask`` is a boolean (B|1, 1, T, S) "may attend" mask, or None meaning plain causal
+        attention with q and k aligned (S == T), or full attention when T == 1.
+        """
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, kv_cache: KVCache | None = None
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def build_attn_mask(attention_mask: Tensor | None, T: int, offset: int, device: torch.device) -> Tensor | None:
+    """Boolean (B|1, 1, T, offset+T) mask, or None when SDPA's built-in causal path suffices.
+
+    Each query also attends to itself, so rows whose keys are all padding (the pad
+    positions of a left-padded batch) stay finite instead of producing NaN; real tokens
+    are unaffected because they attend to themselves anyway.
+    """
+    S = offset + T
+    if attention_mask is None and (offset == 0 or T == 1):
+        return None
+    q_pos = torch.arange(offset, S, device=device)[:, None]
+    k_pos = torch.arange(S, device=device)[None, :]
+    mask = k_pos <= q_pos  # (T, S)
+    if attention_mask is None:
+        return mask[None, None]
+    if attention_mask.shape[-1] != S:
+        raise ValueError(
+            f"attention_mask has length {attention_mask.shape[-1]} but must cover past + current tokens "
+            f"({offset} + {T} = {S})"
+        )
+    return (mask & attention_mask.bool()[:, None, None, :]) | (k_pos == q_pos)
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> Tensor:
+        B, T = input_ids.shape
+        offset = kv_cache.offset if kv_cache is not None else 0
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+            else:
+                position_ids = torch.arange(offset, offset + T, device=input_ids.device).expand(B, T)
+        mask = build_attn_mask(attention_mask, T, offset, input_ids.device)
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(position_ids, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, kv_cache)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head; parameter names match HF ``*ForCausalLM`` exactly."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        self.tie_weights()
+
+    @staticmethod
+    def _init_weights(module: nn.Module, std: float = 0.02) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def tie_weights(self) -> None:
+        """With ``tie_word_embeddings`` the LM head shares the embedding Parameter."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def hidden_states(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> Tensor:
+        """Final normed hidden states (B, T, hidden_size).
+
+        ``attention_mask`` is (B, offset + T) -- past plus current tokens when a cache is used.
+        """
+        return self.model(input_ids, attention_mask, position_ids, kv_cache)
+
+    def logits_from_hidden(self, h: Tensor) -> Tensor:
+        return self.lm_head(h)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> Tensor:
+        """Logits (B, T, vocab_size); see ``hidden_states`` for the arguments."""
+        return self.logits_from_hidden(self.hidden_states(input_ids, attention_mask, position_ids, kv_cache))

@@ -1,0 +1,85 @@
+"""FP8 GEMM dispatch: the emulation against an independent reference; backends; bad operands."""
+
+import pytest
+import torch
+
+from jetrl.fp8 import fp8_gemm, gemm_emulated, override_backend, quantize, resolve_backend
+from jetrl.fp8.gemm import BACKENDS
+
+from .conftest import requires_sm90
+
+
+def _reference_nt(a, b):
+    """Independent spec: decode every E4M3 code by its bit fields, scale each block, matmul in float64."""
+
+    def decode(q):
+        bits = q.codes.view(torch.uint8).long()
+        sign = 1 - 2 * ((bits >> 7) & 1)
+        exp, man = (bits >> 3) & 0xF, bits & 0x7
+        normal = (1 + man / 8.0) * torch.pow(2.0, (exp - 7).double())
+        sub = (man / 8.0) * 2.0**-6
+        vals = sign * torch.where(exp == 0, sub, normal)
+        out = torch.empty(q.shape, dtype=torch.float64)
+        br, bc = q.block
+        for i in range(q.scales.shape[0]):
+            for j in range(q.scales.shape[1]):
+                blk = (slice(i * br, (i + 1) * br), slice(j * bc, (j + 1) * bc))
+                out[blk] = vals[blk] * q.scales[i, j].double()
+        return out
+
+    return decode(a) @ decode(b).t()
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 16, 128), (37, 200, 576), (130, 256, 384)])
+@pytest.mark.parametrize("b_block", [(128, 128), (1, 128)])
+def test_emulated_matches_independent_reference(m, n, k, b_block):
+    gen = torch.Generator().manual_seed(m * n + k)
+    a = quantize(torch.randn(m, k, generator=gen))
+    b = quantize(torch.randn(n, k, generator=gen) * 0.02, b_block)
+    out = gemm_emulated(a, b, torch.float32)
+    ref = _reference_nt(a, b)
+    # dequantization is exact in fp32; only the fp32 accumulation rounds: |err| <= k * 2^-24 * sum|a||b|
+    bound = k * 2.0**-24 * (a.dequantize().double().abs() @ b.dequantize().double().abs().t())
+    assert ((out.double() - ref).abs() <= bound + 1e-30).all()
+    assert out.shape == (m, n)
+
+
+def test_dispatch_uses_emulation_on_cpu_and_override_is_scoped():
+    assert resolve_backend("cpu") == "emulated"
+    with override_backend("emulated"):
+        assert resolve_backend("cuda") == "emulated"
+    with pytest.raises(ValueError, match="unknown FP8 GEMM backend"):
+        with override_backend("cutlass"):
+            pass
+    assert set(BACKENDS) == {"emulated", "scaled_mm"}
+
+
+def test_env_var_must_name_a_backend(monkeypatch):
+    import jetrl.fp8.gemm as gemm
+
+    monkeypatch.setattr(gemm, "_resolved", {})
+    monkeypatch.setenv("JETRL_GEMM_BACKEND", "fast")
+    with pytest.raises(ValueError, match="JETRL_GEMM_BACKEND"):
+        resolve_backend("cpu")
+
+
+def test_bad_operands_get_clear_errors():
+    a = quantize(torch.randn(4, 256))
+    with pytest.raises(ValueError, match="contraction dims differ"):
+        fp8_gemm(a, quantize(torch.randn(8, 128), (128, 128)))
+    with pytest.raises(ValueError, match="operand a must be quantized in"):
+        fp8_gemm(quantize(torch.randn(4, 256), (128, 128)), quantize(torch.randn(8, 256), (128, 128)))
+
+
+@requires_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(1, 4096, 4096), (256, 1536, 576), (8192, 4096, 4096)])
+@pytest.mark.parametrize("b_block", [(128, 128), (1, 128)])
+def test_scaled_mm_agrees_with_emulation(m, n, k, b_block):
+    a = quantize(torch.randn(m, k, device="cuda"))
+    b = quantize(torch.randn(n, k, device="cuda") * 0.02, b_block)
+    with override_backend("scaled_mm"):
+        fast = fp8_gemm(a, b, torch.float32)
+    spec = gemm_emulated(a, b, torch.float32)
+    rel = (fast - spec).norm() / spec.norm()
+    assert rel < 5e-3, rel

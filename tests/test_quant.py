@@ -1,0 +1,140 @@
+"""Property tests of the one quantizer (jetrl.fp8.quant): the formula, bounds, NaN/Inf policy."""
+
+import math
+
+import pytest
+import torch
+
+from jetrl.fp8.quant import E4M3_MAX, SCALE_FLOOR, Float8Blocks, NonFiniteError, amax_to_scale, quantize
+
+BLOCKS = [(1, 128), (128, 128)]
+
+
+def _random_shape(gen):
+    return int(torch.randint(1, 400, (1,), generator=gen)), int(torch.randint(1, 700, (1,), generator=gen))
+
+
+def _roundtrip_bound(x, q):
+    """|x - q*s| <= 2^-4 |x| + 2^-10 s (+ fp32 rounding): see the quant.py docstring."""
+    br, bc = q.block
+    s = q.scales.repeat_interleave(br, 0)[: x.shape[0]].repeat_interleave(bc, 1)[:, : x.shape[1]]
+    return 2.0**-4 * x.abs() * (1 + 2.0**-20) + 2.0**-10 * s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("magnitude", [1.0, 1e-3, 1e4, 3e-39, 1e30])
+def test_roundtrip_within_e4m3_bound(dtype, block, magnitude):
+    gen = torch.Generator().manual_seed(hash((str(dtype), block, magnitude)) % 2**31)
+    for _ in range(4):
+        shape = _random_shape(gen)
+        # heavy-tailed values so a block spans normal and subnormal E4M3 ranges
+        x = (torch.randn(shape, generator=gen) * torch.exp(2 * torch.randn(shape, generator=gen))) * magnitude
+        x = x.to(dtype)
+        q = quantize(x, block)
+        assert q.codes.shape == x.shape and q.codes.dtype == torch.float8_e4m3fn
+        assert q.scales.shape == (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+        assert q.scales.dtype == torch.float32
+        assert torch.isfinite(q.scales).all() and (q.scales > 0).all()
+        xf = x.float()
+        err = (q.dequantize() - xf).abs()
+        assert (err <= _roundtrip_bound(xf, q)).all(), float((err - _roundtrip_bound(xf, q)).max())
+        # the block's largest element maps to (almost) exactly +-448: the full range is used
+        if (q.scales > SCALE_FLOOR).all():  # below the floor (amax < 448 * 2^-126) it cannot be
+            assert q.codes.float().abs().max() >= 416
+
+
+def test_formula_is_multiply_by_reciprocal_of_stored_scale():
+    x = torch.randn(3, 256) * 7
+    q = quantize(x)
+    amax = x.view(3, 2, 128).abs().amax(-1)
+    scale = torch.clamp_min(amax / 448.0, SCALE_FLOOR)
+    assert torch.equal(q.scales, scale)
+    expected = (x.view(3, 2, 128) * (1.0 / scale)[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(q.codes.view(torch.uint8), expected.view(3, 256).view(torch.uint8))
+
+
+def test_partial_last_group_quantized_as_if_alone():
+    x = torch.randn(5, 576)  # SmolLM2: 576 = 4.5 x 128
+    q = quantize(x)
+    tail = quantize(x[:, 512:].contiguous())
+    assert torch.equal(q.codes[:, 512:].view(torch.uint8), tail.codes.view(torch.uint8))
+    assert torch.equal(q.scales[:, 4:], tail.scales)
+    w = torch.randn(200, 576)
+    qw = quantize(w, (128, 128))
+    corner = quantize(w[128:, 512:].contiguous(), (128, 128))
+    assert qw.scales.shape == (2, 5)
+    assert torch.equal(qw.scales[1:, 4:], corner.scales)
+
+
+def test_zeros_and_tiny_values():
+    q = quantize(torch.zeros(4, 300))
+    assert (q.codes.float() == 0).all() and torch.equal(q.scales, torch.full((4, 3), SCALE_FLOOR))
+    tiny = torch.full((2, 128), 1e-40)  # fp32 subnormal
+    qt = quantize(tiny)
+    assert torch.isfinite(qt.scales).all() and (qt.scales > 0).all()
+    assert ((qt.dequantize() - tiny).abs() <= 2.0**-10 * qt.scales).all()
+
+
+def test_huge_values_no_overflow():
+    x = torch.tensor([[3.0e38, -3.0e38] + [1.0] * 126])
+    q = quantize(x)
+    assert torch.isfinite(q.scales).all()
+    assert q.codes.float()[0, 0] == 448 and q.codes.float()[0, 1] == -448
+    assert torch.isfinite(q.dequantize()).all()
+
+
+def test_pow2_scales_are_exact_powers_of_two_and_cover_amax():
+    amax = torch.tensor([0.0, 1e-30, 1.0, 447.9, 448.0, 448.1, 3e38])
+    s = amax_to_scale(amax, pow2_scale=True)
+    mantissa, _ = torch.frexp(s)
+    assert (mantissa == 0.5).all()  # exact powers of two
+    assert (s * E4M3_MAX >= amax).all()  # nothing saturates
+    assert (s / 2 * E4M3_MAX < torch.clamp_min(amax, SCALE_FLOOR * E4M3_MAX)).all()  # the smallest such power
+    x = torch.randn(64, 384)
+    q = quantize(x, pow2_scale=True)
+    assert ((q.dequantize() - x).abs() <= _roundtrip_bound(x, q)).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_propagates_as_nan_never_saturates(bad):
+    x = torch.randn(3, 256)
+    x[1, 130] = bad
+    q = quantize(x)
+    assert torch.isnan(q.scales[1, 1]) and torch.isfinite(q.scales[[0, 2]]).all()
+    assert torch.isfinite(q.scales[1, 0])  # other groups of the row are untouched
+    group = q.codes[1, 128:256].float()
+    assert torch.isnan(group).all(), "a non-finite group must become NaN codes, not +-448"
+    assert torch.isnan(q.dequantize()[1, 128:]).all()
+    with pytest.raises(NonFiniteError, match="layer.7.input"):
+        quantize(x, check_finite=True, name="layer.7.input")
+
+
+def test_transpose_reuses_codes():
+    w = torch.randn(300, 200)
+    q = quantize(w, (128, 128))
+    qt = q.t()
+    assert torch.equal(qt.codes.view(torch.uint8), q.codes.t().contiguous().view(torch.uint8))
+    assert torch.equal(qt.dequantize(), q.dequantize().t())
+    # quantizing W^T from scratch gives the same codes for square blocks
+    fresh = quantize(w.t().contiguous(), (128, 128))
+    assert torch.equal(fresh.codes.view(torch.uint8), qt.codes.view(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    "x, block, err, match",
+    [
+        (torch.randn(4, 4).to(torch.int32), (1, 128), TypeError, "act.*int32"),
+        (torch.randn(2, 3, 4), (1, 128), ValueError, "act.*2-D.*reshape"),
+        (torch.randn(0, 128), (1, 128), ValueError, "act.*non-empty"),
+        (torch.randn(4, 128), (0, 128), ValueError, "act.*block"),
+    ],
+)
+def test_bad_input_names_the_tensor(x, block, err, match):
+    with pytest.raises(err, match=match):
+        quantize(x, block, name="act")
+
+
+def test_float8blocks_dequantize_dtype():
+    q = quantize(torch.randn(2, 128))
+    assert isinstance(q, Float8Blocks) and q.dequantize(torch.bfloat16).dtype == torch.bfloat16
