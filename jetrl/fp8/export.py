@@ -29,11 +29,22 @@ def fp8_state_dict(model: nn.Module, hp_dtype: torch.dtype = torch.bfloat16) -> 
         fqn = name.rsplit(".", 1)[0]
         if name.endswith(".weight") and fqn in modules:
             q = modules[fqn].quantized_weight()
-            out[name] = q.codes.detach().cpu()
-            out[f"{fqn}.weight_scale_inv"] = q.scales.detach().cpu()
+            out[name] = q.codes.detach().cpu().contiguous()
+            out[f"{fqn}.weight_scale_inv"] = q.scales.detach().cpu().contiguous()
         else:
             out[name] = tensor.detach().to(hp_dtype).cpu()
     return out
+
+
+def high_precision_linears(model: nn.Module) -> list[str]:
+    """Names of the ``nn.Linear`` modules an FP8 export keeps in BF16 (its ``modules_to_not_convert``).
+
+    Loaders (transformers' FineGrainedFP8 quantizer, vLLM's ``Fp8Config``) swap every other
+    ``nn.Linear`` for an FP8 one and expect ``weight_scale_inv`` next to its weight. With an
+    explicit list transformers adds no default skips, so ``lm_head`` is listed here too.
+    """
+    fp8 = {fqn for fqn, m in float8_modules(model).items() if m.quantized_weight() is not None}
+    return [fqn for fqn, m in model.named_modules() if isinstance(m, nn.Linear) and fqn not in fp8]
 
 
 def fp8_quantization_config(recipe: Recipe, modules_to_not_convert: list[str] | None = None) -> dict:

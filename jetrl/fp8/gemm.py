@@ -20,8 +20,9 @@ Backends, resolved once per device type and overridable (``override_backend``, o
 * ``scaled_mm``: ``torch.nn.functional.scaled_mm`` with BlockWise1x128 / BlockWise128x128
   scaling (cuBLAS, SM90+). Layouts measured on the H200 (design.md §3): ``a`` row-major,
   ``b`` passed as a column-major (K, N) view of the K-major codes; 1x128 scales (rows, K/128)
-  column-major; 128x128 scales as a (K/128, N/128) view with strides (1, K/128). Dims that
-  are not multiples of 128 (K, N) or 16 (M) are zero-padded: zero codes add nothing.
+  column-major; 128x128 scales as a (K/128, N/128) view with strides (1, K/128), the K-block
+  count padded to a multiple of 4. Dims that are not multiples of 128 (K, N) or 16 (M) are
+  zero-padded: zero codes add nothing.
   It accumulates in the tensor cores' reduced-precision fp32, so it agrees with the
   emulation to about 2e-3 relative, not bitwise.
 """
@@ -125,7 +126,9 @@ def _scaled_mm(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype) -> torc
     b_codes = _pad(b.codes, BLOCK if b.block[0] == BLOCK else 16, BLOCK)  # (Np, Kp) K-major
     scale_a = _pad(a.scales, 16, 1).t().contiguous().t()  # (Mp, Kp/128) column-major
     if b.block == (BLOCK, BLOCK):
-        scale_b = b.scales.t()  # (Kp/128, Np/128) with strides (1, Kp/128)
+        # (Kp/128, Np/128) with strides (1, Kb4): cuBLAS wants the K-block count padded to a
+        # multiple of 4 (16-byte rows); measured on the H200, K=576 asks for 8 x N/128 scales
+        scale_b = _pad(b.scales, 1, 4).t()
         recipe_b = F.ScalingType.BlockWise128x128
     else:
         scale_b = _pad(b.scales, 16, 1).t().contiguous().t()  # (Np, Kp/128) column-major

@@ -41,7 +41,7 @@ mantissa bits for |v| >= 2^-6 and a fixed step of 2^-9 below, so
     |x - q * s| <= 2^-4 * |x| + 2^-10 * s   (+ fp32 rounding of x * r, about 2^-24 |x|).
 
 NaN/Inf policy: a block that holds a NaN or an Inf gets scale NaN and every code in it
-NaN, so the non-finite value *propagates* through dequantization and every GEMM that
+the canonical NaN 0x7F, so the non-finite value *propagates* through dequantization and every GEMM that
 reads it, never saturating silently into +-448. Callers that must stop at once pass
 ``check_finite=True`` (the weight cache always does) and get a :class:`NonFiniteError`
 naming the tensor; the trainer acts on a non-finite loss or gradient for activations.
@@ -50,7 +50,8 @@ naming the tensor; the trainer acts on a non-finite loss or gradient for activat
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -101,7 +102,9 @@ class Float8Blocks:
 
 def amax_to_scale(amax: torch.Tensor, pow2_scale: bool = False) -> torch.Tensor:
     """fp32 dequant scale from a per-block amax (see the module docstring); NaN if amax is not finite."""
-    scale = torch.clamp_min(amax / E4M3_MAX, SCALE_FLOOR)
+    # tensor / tensor: CUDA eager turns division by a Python scalar into a multiplication by
+    # its reciprocal, which changes scale bits; this form is an IEEE division on every device.
+    scale = torch.clamp_min(amax / torch.full_like(amax, E4M3_MAX), SCALE_FLOOR)
     if pow2_scale:
         # Round up to a power of two by exponent bits: exact, unlike exp2(ceil(log2(s))).
         # s >= 2^-126 is normal, so bits = sign 0 | exponent | mantissa.
@@ -124,26 +127,64 @@ def quantize(
     ``name`` is used in error messages only (e.g. ``"model.layers.0.mlp.up_proj.weight"``).
     """
     _validate(x, block, name)
+    codes, scales = _implementation(x.device)(x, block[0], block[1], pow2_scale)
+    out = Float8Blocks(codes, scales, tuple(block))
+    if check_finite:
+        assert_finite(out, name)
+    for recorder in _RECORDERS:
+        recorder.append((name, out))
+    return out
+
+
+def quantize_reference(x: torch.Tensor, br: int, bc: int, pow2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec, in plain PyTorch: (codes, scales) of ``x`` (R, C) in (br, bc) blocks."""
     rows, cols = x.shape
-    br, bc = block
-    xf = x.float()
+    xf = x.float().contiguous()  # row-major codes even for a transposed view (the wgrad operand)
     pad_rows, pad_cols = -rows % br, -cols % bc
     if pad_rows or pad_cols:
         xf = F.pad(xf, (0, pad_cols, 0, pad_rows))
     xb = xf.view(xf.shape[0] // br, br, xf.shape[1] // bc, bc)  # (Rb, br, Cb, bc)
     amax = xb.abs().amax(dim=(1, 3))  # (Rb, Cb); NaN-propagating
     scales = amax_to_scale(amax, pow2_scale)
-    reciprocal = 1.0 / scales
-    codes = (xb * reciprocal[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    codes = codes.view(xf.shape)[:rows, :cols]
-    if pad_rows or pad_cols:
-        codes = codes.contiguous()
-    out = Float8Blocks(codes, scales, (br, bc))
-    if check_finite:
-        assert_finite(out, name)
-    for recorder in _RECORDERS:
-        recorder.append((name, out))
-    return out
+    reciprocal = torch.ones_like(scales) / scales  # IEEE reciprocal (see amax_to_scale)
+    y = (xb * reciprocal[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
+    # a non-finite block is all canonical +NaN (code 0x7F) whatever the sign of its NaN/Inf
+    y = torch.where(torch.isnan(scales)[:, None, :, None], torch.full_like(y, float("nan")), y)
+    codes = y.to(E4M3).view(xf.shape)[:rows, :cols]
+    return (codes.contiguous() if pad_rows or pad_cols else codes), scales
+
+
+# ---------------------------------------------------------------------------------------
+# Backend: one per device type, resolved once, so every caller on a device (trainer, engine,
+# export) runs the same code. CPU runs the reference; CUDA runs the Triton kernel
+# (jetrl/fp8/kernels/quant_triton.py), which the GPU bench checks bit for bit against the
+# reference. Override with JETRL_QUANT_BACKEND=reference|triton.
+QUANT_BACKENDS = ("reference", "triton")
+_impls: dict[str, Callable] = {}
+
+
+def quant_backend(device: torch.device) -> str:
+    """The quantizer implementation used on ``device``."""
+    env = os.environ.get("JETRL_QUANT_BACKEND")
+    if env is not None and env not in QUANT_BACKENDS:
+        raise ValueError(f"JETRL_QUANT_BACKEND={env!r} is not a backend; use one of {QUANT_BACKENDS}")
+    if env is not None:
+        return env
+    from jetrl.fp8.kernels import has_triton
+
+    return "triton" if device.type == "cuda" and has_triton() else "reference"
+
+
+def _implementation(device: torch.device) -> Callable:
+    backend = quant_backend(device)
+    if backend not in _impls:
+        if backend == "triton":
+            from jetrl.fp8.kernels.quant_triton import quantize_triton
+
+            _impls[backend] = quantize_triton
+        else:
+            _impls[backend] = quantize_reference
+    return _impls[backend]
 
 
 def assert_finite(q: Float8Blocks, name: str) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from jetrl.fp8.quant import Float8Blocks, quantize
+from jetrl.fp8.quant import E4M3, Float8Blocks, assert_finite, quantize
 from jetrl.fp8.recipe import QuantSpec
 
 
@@ -38,7 +38,7 @@ class WeightCache:
 
     def get(self, weight: torch.Tensor, spec: QuantSpec) -> Float8Blocks:
         """q(W) in ``spec``'s blocks, quantized only if ``weight`` changed since the last call."""
-        key = (weight._version, weight.data_ptr(), weight.device, spec)
+        key = self._key_of(weight, spec)
         if key != self._key:
             with torch.no_grad():
                 self._weight = quantize(
@@ -55,6 +55,60 @@ class WeightCache:
         if self._weight_t is None:
             self._weight_t = quantized.t()
         return self._weight_t
+
+    def prime(self, weight: torch.Tensor, spec: QuantSpec, quantized: Float8Blocks) -> None:
+        """Install ``quantized`` as q(``weight``) for the weight's *current* version, without quantizing.
+
+        Used when loading an FP8 checkpoint: the file holds the codes and scales the trainer
+        used, and the master weight is set to their dequantization ``codes * scales``. Why not
+        simply re-quantize that master weight? ``quantize(dequantize(q))`` is not guaranteed to
+        give back ``q`` (tests/test_export.py shows both cases):
+
+        * a BF16 master cannot hold ``448 * s`` for a scale ``s`` computed from an fp32 amax, so
+          the block's new amax, hence its scale, moves in the last bits;
+        * with power-of-two scales, a block whose amax rounded *down* to the code 224 re-quantizes
+          with half the scale and every code doubled (same values, different bits).
+
+        Priming makes the loaded model read the file's exact bits until the weight is next
+        written (an optimizer step bumps ``weight._version``, so the entry then goes stale and
+        the weight is quantized from the master as usual).
+
+        The key is the one :meth:`get` computes, so prime *after* the last in-place write and
+        device move of ``weight``. ``quantized`` is checked against ``spec`` (block shape,
+        E4M3 codes of ``weight``'s shape and device, one finite fp32 scale per block, power-of-two
+        scales if ``spec.pow2_scale``); a mismatch raises ``ValueError`` naming the weight.
+        """
+        rows, cols = weight.shape
+        br, bc = spec.block
+        expected_scales = (-(-rows // br), -(-cols // bc))
+        problems = []
+        if tuple(quantized.block) != tuple(spec.block):
+            problems.append(f"block {tuple(quantized.block)} != the recipe's {spec.block}")
+        if quantized.codes.dtype != E4M3:
+            problems.append(f"codes dtype {quantized.codes.dtype} != {E4M3}")
+        if quantized.codes.shape != weight.shape:
+            problems.append(f"codes shape {tuple(quantized.codes.shape)} != weight shape {tuple(weight.shape)}")
+        if quantized.scales.dtype != torch.float32 or tuple(quantized.scales.shape) != expected_scales:
+            problems.append(
+                f"scales {quantized.scales.dtype} {tuple(quantized.scales.shape)} != float32 {expected_scales}"
+            )
+        if quantized.codes.device != weight.device or quantized.scales.device != weight.device:
+            problems.append(f"codes/scales on {quantized.codes.device}/{quantized.scales.device}, weight on {weight.device}")
+        if problems:
+            raise ValueError(f"{self.name}: cannot prime the FP8 weight cache: {'; '.join(problems)}")
+        assert_finite(quantized, self.name)
+        if spec.pow2_scale and bool(((quantized.scales.view(torch.int32) & 0x7FFFFF) != 0).any()):
+            raise ValueError(
+                f"{self.name}: the recipe uses power-of-two scales but the given scales are not powers of two; "
+                "load with the recipe the checkpoint was exported with"
+            )
+        self._weight = quantized
+        self._weight_t = None
+        self._key = self._key_of(weight, spec)
+
+    @staticmethod
+    def _key_of(weight: torch.Tensor, spec: QuantSpec) -> tuple:
+        return (weight._version, weight.data_ptr(), weight.device, spec)
 
     def invalidate(self) -> None:
         self._key = self._weight = self._weight_t = None

@@ -8,5 +8,15 @@ hub checkpoint loads with an identity name map and every projection is a swappab
 from jetrl.models.config import ModelConfig
 from jetrl.models.llama import CausalLM
 from jetrl.models.loader import CheckpointError, load_pretrained, save_pretrained
+from jetrl.models.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
-__all__ = ["CausalLM", "CheckpointError", "ModelConfig", "load_pretrained", "save_pretrained"]
+__all__ = [
+    "CausalLM",
+    "CheckpointError",
+    "ModelConfig",
+    "Tokenizer",
+    "TokenizerError",
+    "load_pretrained",
+    "load_tokenizer",
+    "save_pretrained",
+]

@@ -202,7 +202,10 @@ class ModelConfig:
 _DERIVED_HF_KEYS = frozenset(
     {"architectures", "model_type", "hidden_act", "rope_parameters", "rope_scaling", "rope_theta", "mlp_bias",
      "use_sliding_window", "sliding_window", "layer_types", "max_window_layers", "torch_dtype", "dtype",
-     "transformers_version"}
+     "transformers_version",
+     # Read by the loader (FP8 checkpoints) and written by the exporter; never carried over, so a
+     # BF16 save of a model loaded from an FP8 checkpoint does not claim to be quantized.
+     "quantization_config"}
 )
 
 

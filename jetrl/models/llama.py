@@ -19,7 +19,8 @@ Math, per layer (pre-norm residual):
 
 Padding: ``attention_mask`` (1 = token, 0 = pad) handles left and right padding; the
 default ``position_ids`` are ``cumsum(mask) - 1`` clamped at 0, so a left-padded row gets
-the same positions as the unpadded sequence.
+the same positions as the unpadded sequence. A 4-D boolean mask is passed to attention as
+is (the rollout engine's static KV cache, whose rows have different lengths, builds one).
 """
 
 from __future__ import annotations
@@ -152,9 +153,19 @@ class Attention(nn.Module):
         ``mask`` is a boolean (B|1, 1, T, S) "may attend" mask, or None meaning plain causal
         attention with q and k aligned (S == T), or full attention when T == 1.
         """
+        B, H, T, D = q.shape
+        if T == 1 and self.num_kv_heads != H:
+            # Decode: fold the G = H / Hkv query heads of each kv head into the query-length axis,
+            # (B, H, 1, D) -> (B, Hkv, G, D), so SDPA runs as plain multi-head attention. Same math
+            # (query head h reads kv head h // G, as with enable_gqa); but SDPA's GQA path with an
+            # attn_mask falls back to the math kernel, which materializes K/V repeated G times --
+            # the whole KV cache copied G-fold per step. A (B|1, 1, 1, S) mask broadcasts over G.
+            out = F.scaled_dot_product_attention(q.reshape(B, self.num_kv_heads, H // self.num_kv_heads, D), k, v,
+                                                 attn_mask=mask)
+            return out.reshape(B, H, 1, D)
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1,
-            enable_gqa=self.num_kv_heads != self.num_heads,
+            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+            enable_gqa=self.num_kv_heads != H,
         )
 
 
@@ -193,6 +204,17 @@ def build_attn_mask(attention_mask: Tensor | None, T: int, offset: int, device: 
     are unaffected because they attend to themselves anyway.
     """
     S = offset + T
+    if attention_mask is not None and attention_mask.dim() == 4:
+        # A ready boolean "may attend" mask, passed through unchanged. A static per-slot KV cache
+        # (jetrl.engine.kv_cache) needs it: its rows hold different numbers of valid positions, so
+        # row b attends to keys [0, len_b] of a fixed-length cache, which no (B, S) padding mask
+        # plus a shared causal offset can express. The caller must also pass ``position_ids``.
+        if attention_mask.dtype != torch.bool or attention_mask.shape[-2:] != (T, S):
+            raise ValueError(
+                f"a 4-D attention_mask must be a bool (B|1, 1, T, offset+T) = (.., 1, {T}, {S}) 'may attend' "
+                f"mask, got {attention_mask.dtype} {tuple(attention_mask.shape)}"
+            )
+        return attention_mask
     if attention_mask is None and (offset == 0 or T == 1):
         return None
     q_pos = torch.arange(offset, S, device=device)[:, None]
@@ -226,6 +248,8 @@ class DecoderModel(nn.Module):
         B, T = input_ids.shape
         offset = kv_cache.offset if kv_cache is not None else 0
         if position_ids is None:
+            if attention_mask is not None and attention_mask.dim() == 4:
+                raise ValueError("a 4-D attention_mask carries no positions; pass position_ids with it")
             if attention_mask is not None:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
             else:
@@ -270,7 +294,8 @@ class CausalLM(nn.Module):
     ) -> Tensor:
         """Final normed hidden states (B, T, hidden_size).
 
-        ``attention_mask`` is (B, offset + T) -- past plus current tokens when a cache is used.
+        ``attention_mask`` is (B, offset + T) -- past plus current tokens when a cache is used --
+        or a ready boolean (B|1, 1, T, offset + T) "may attend" mask (then ``position_ids`` is required).
         """
         return self.model(input_ids, attention_mask, position_ids, kv_cache)
 

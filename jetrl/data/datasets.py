@@ -1,0 +1,190 @@
+"""Load user datasets from jsonl or parquet into records, and split off a held-out eval set.
+
+Why: no installable package holds GSM8K or MATH, so users bring their own files, usually in
+one of two shapes, both normalized to the record schema (``records.py``):
+
+* verl's: ``prompt`` (list of chat messages), ``reward_model.ground_truth``, ``data_source``;
+* plain: ``prompt`` (a string or messages) or ``question``, plus ``ground_truth``, ``answer``
+  or ``solution`` (a GSM8K ``"... #### 72"`` answer is fine: the math reward reads after ####).
+
+The gold answer is looked up in that order; ``task`` is ``task``, else ``data_source``, else
+the file's stem. A ``metadata`` dict (or its JSON string, as ``save_records`` writes it to
+parquet) is kept. ``.json`` files may hold a JSON array or JSON lines. Parquet is read with
+pyarrow (pandas as a fallback), imported only when a parquet file is read. Every problem with
+the file is one ``DatasetError`` line naming the file and, for jsonl, the line number.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from jetrl.data.records import Record, json_safe, make_record
+
+GOLD_KEYS = ("reward_model.ground_truth", "ground_truth", "answer", "solution")
+PROMPT_KEYS = ("prompt", "question")
+JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+
+
+class DatasetError(ValueError):
+    """A dataset file is missing, empty, unreadable or holds a record we cannot use."""
+
+
+def _lookup(raw: Mapping[str, Any], dotted: str) -> Any:
+    value: Any = raw
+    for part in dotted.split("."):
+        if not isinstance(value, Mapping):
+            return None
+        value = value.get(part)
+    return value
+
+
+def _first(raw: Mapping[str, Any], keys: Sequence[str]) -> Any:
+    for key in keys:
+        value = _lookup(raw, key)
+        if value is not None and not (isinstance(value, str) and not value.strip()):
+            return value
+    return None
+
+
+def normalize_record(raw: Any, *, where: str, default_task: str) -> Record:
+    """One raw row (verl or plain format) -> a record; ``where`` prefixes every error ("file:line")."""
+    if not isinstance(raw, Mapping):
+        raise DatasetError(f"{where}: expected a JSON object, got {type(raw).__name__}")
+    prompt = _first(raw, PROMPT_KEYS)
+    if prompt is None:
+        raise DatasetError(f"{where}: record has no prompt; expected one of {', '.join(PROMPT_KEYS)}")
+    gold = _first(raw, GOLD_KEYS)
+    if gold is None:
+        raise DatasetError(f"{where}: record has no gold answer; expected one of {', '.join(GOLD_KEYS)}")
+    metadata = raw.get("metadata")
+    if isinstance(metadata, str):
+        try:
+            metadata = json.loads(metadata) if metadata else None
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{where}: metadata is a string but not JSON: {e.msg}") from None
+    task = _first(raw, ("task", "data_source")) or default_task
+    try:
+        return make_record(prompt, gold, task, metadata if isinstance(metadata, Mapping) else None)
+    except ValueError as e:
+        raise DatasetError(f"{where}: {e}") from None
+
+
+def _read_json(path: Path) -> list[tuple[str, Any]]:
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{path}:{e.lineno}: malformed JSON: {e.msg} (column {e.colno})") from None
+        return [(f"{path}: item {i}", row) for i, row in enumerate(rows)]
+    rows = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append((f"{path}:{lineno}", json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{path}:{lineno}: malformed JSON line: {e.msg} (column {e.colno})") from None
+    return rows
+
+
+def _to_python(value: Any) -> Any:
+    # pandas hands back numpy arrays for list columns and numpy scalars for numbers.
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, Mapping):
+        return {k: _to_python(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_python(v) for v in value]
+    return value
+
+
+def _parquet_rows(path: Path) -> list[Any]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        pq = None
+    if pq is not None:
+        return pq.read_table(path).to_pylist()
+    try:
+        import pandas as pd
+    except ImportError:
+        raise DatasetError(f"{path}: reading parquet needs pyarrow: pip install pyarrow") from None
+    return [_to_python(row) for row in pd.read_parquet(path).to_dict("records")]
+
+
+def _read_parquet(path: Path) -> list[tuple[str, Any]]:
+    try:
+        rows = _parquet_rows(path)
+    except DatasetError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- pyarrow/pandas raise many types for a corrupt file
+        raise DatasetError(f"{path}: cannot read parquet: {type(e).__name__}: {e}") from None
+    return [(f"{path}: row {i}", row) for i, row in enumerate(rows)]
+
+
+def load_records(path: str | Path, *, default_task: str | None = None) -> list[Record]:
+    """All records of a .jsonl/.json/.parquet file, normalized (see the module docstring)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"dataset file not found: {path}" + (" (it is a directory)" if path.is_dir() else ""))
+    if path.suffix in JSON_SUFFIXES:
+        rows = _read_json(path)
+    elif path.suffix == ".parquet":
+        rows = _read_parquet(path)
+    else:
+        raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl, .json or .parquet")
+    if not rows:
+        raise DatasetError(f"{path}: dataset file is empty (no records)")
+    task = default_task or path.stem
+    return [normalize_record(row, where=where, default_task=task) for where, row in rows]
+
+
+def save_records(records: Sequence[Record], path: str | Path) -> None:
+    """Write records as jsonl (one object per line) or parquet (``metadata`` as a JSON string)."""
+    path = Path(path)
+    if path.suffix in JSON_SUFFIXES:
+        with path.open("w", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(json_safe(r), ensure_ascii=False) + "\n")
+    elif path.suffix == ".parquet":
+        try:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DatasetError(f"{path}: writing parquet needs pyarrow: pip install pyarrow") from None
+        # Per-row metadata dicts differ in keys and types; a JSON string keeps one column type.
+        # Every row gets the column ("null" when absent): pyarrow takes column names from row 0.
+        rows = list(records)
+        if any("metadata" in r for r in rows):
+            rows = [{**r, "metadata": json.dumps(json_safe(r.get("metadata")))} for r in rows]
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl, .json or .parquet")
+
+
+def split_eval(records: Sequence[Record], eval_size: int | float,  # noqa: PYI041 -- a count or a fraction
+               seed: int = 0) -> tuple[list[Record], list[Record]]:
+    """(train, eval): ``eval_size`` records (a count >= 1, or a fraction in (0, 1)) held out at random.
+
+    Deterministic given ``seed``; both parts keep the input order, and no record is in both.
+    """
+    n = len(records)
+    if isinstance(eval_size, bool) or not isinstance(eval_size, (int, float)):
+        raise TypeError(f"eval_size must be a count (int) or a fraction (float), got {eval_size!r}")
+    if isinstance(eval_size, float):
+        if not 0.0 < eval_size < 1.0:
+            raise ValueError(f"eval_size as a fraction must be in (0, 1), got {eval_size}")
+        num_eval = max(1, round(eval_size * n))
+    else:
+        num_eval = eval_size
+    if not 1 <= num_eval < n:
+        raise ValueError(f"eval_size={eval_size} holds out {num_eval} of {n} records; "
+                         "need at least 1 eval and 1 train record")
+    held_out = set(random.Random(seed).sample(range(n), num_eval))
+    train = [r for i, r in enumerate(records) if i not in held_out]
+    return train, [r for i, r in enumerate(records) if i in held_out]

@@ -1,0 +1,59 @@
+"""The record schema every task generator and dataset loader produces.
+
+Why one schema: the trainer, the eval loop and the reward functions should not care whether a
+problem came from reasoning-gym, the synthetic generator or a user's verl parquet. A record is
+
+    {"prompt": [{"role": "user", "content": "What is 23 + 58?"}, ...],   # chat messages
+     "ground_truth": "81",                                                # gold answer, a str
+     "task": "synthetic",                                                 # source / scorer name
+     "metadata": {...}}                                                   # optional, JSON-safe
+
+``prompt`` is always a list of chat messages (a plain string becomes one user message), so the
+tokenizer's chat template is the only place prompts are formatted. ``ground_truth`` and ``task``
+reach the reward functions as TRL dataset columns of the same names.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+Message = dict[str, str]
+Record = dict[str, Any]
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def to_messages(prompt: str | Sequence[Mapping[str, Any]]) -> list[Message]:
+    """A prompt as chat messages: a string becomes one user message; messages are validated."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError("prompt is an empty string")
+        return [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, Sequence) or len(prompt) == 0:
+        raise ValueError(f"prompt must be a string or a non-empty list of chat messages, got {type(prompt).__name__}")
+    messages = []
+    for j, m in enumerate(prompt):
+        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+            raise ValueError(f"prompt message {j} must be a mapping with 'role' and 'content', got {m!r:.80}")
+        if m["role"] not in ROLES:
+            raise ValueError(f"prompt message {j} has role {m['role']!r}; expected one of {', '.join(ROLES)}")
+        messages.append({"role": str(m["role"]), "content": str(m["content"])})
+    return messages
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with anything JSON cannot hold (Fraction, numpy scalars, ...) turned into str."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def make_record(prompt: str | Sequence[Mapping[str, Any]], ground_truth: Any, task: str,
+                metadata: Mapping[str, Any] | None = None) -> Record:
+    """A validated record (see the module docstring)."""
+    if ground_truth is None or (isinstance(ground_truth, str) and not ground_truth.strip()):
+        raise ValueError("record has no gold answer")
+    record: Record = {"prompt": to_messages(prompt), "ground_truth": str(ground_truth).strip(), "task": str(task)}
+    if metadata:
+        record["metadata"] = json_safe(dict(metadata))
+    return record

@@ -1,0 +1,27 @@
+"""The rollout engine: continuous batching over a static KV cache, on the trainer's own modules.
+
+Why here and not vLLM: the engine calls the same ``nn.Module`` objects (and, under the ``jet``
+recipe, the same cached FP8 weight codes) as the trainer, inside ``precision_phase("rollout")``,
+so the rollout samples from the trainer's forward graph with no weight transfer (design.md §5).
+
+Files: ``sampling.py`` (SamplingParams, processed logprobs, counter-based seeded sampling),
+``kv_cache.py`` (static per-slot cache), ``scheduler.py`` (slots, groups, finish rules),
+``cuda_graph.py`` (decode capture/replay), ``engine.py`` (the loop).
+"""
+
+from jetrl.engine.engine import Completion, Engine, EngineStats
+from jetrl.engine.kv_cache import StaticKVCache
+from jetrl.engine.sampling import SamplingParams, processed_logprobs, sample
+from jetrl.engine.scheduler import Scheduler, Sequence
+
+__all__ = [
+    "Completion",
+    "Engine",
+    "EngineStats",
+    "SamplingParams",
+    "Scheduler",
+    "Sequence",
+    "StaticKVCache",
+    "processed_logprobs",
+    "sample",
+]

@@ -1,0 +1,103 @@
+"""Reward functions by name, and ``compute_rewards``: the one place rewards are called.
+
+Why a wrapper: a reward function is user code run on model output, so it fails in
+data-dependent ways. ``compute_rewards`` turns any exception into a ``RewardError`` that names
+the function and the first sample it fails on (found by re-calling it one sample at a time),
+with the original exception chained, and checks that it returned one number per completion.
+``None`` in a reward list means "not applicable to this sample" (TRL's convention) and becomes
+NaN. Signatures follow TRL: ``fn(completions, **columns) -> list[float]``, where each column
+is a list aligned with ``completions``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from jetrl.rewards.format import format_reward
+from jetrl.rewards.math import math_reward
+from jetrl.rewards.rg import reasoning_gym_reward
+
+RewardFunc = Callable[..., list[float | None]]
+
+REWARD_FUNCS: dict[str, RewardFunc] = {
+    "math": math_reward,
+    "format": format_reward,
+    "reasoning_gym": reasoning_gym_reward,
+}
+
+
+class RewardError(RuntimeError):
+    """A reward function raised or returned something other than one number per completion."""
+
+
+def get_reward_func(name: str) -> RewardFunc:
+    """The reward function registered as ``name``."""
+    if name not in REWARD_FUNCS:
+        raise ValueError(f"unknown reward function {name!r}: choose one of {', '.join(REWARD_FUNCS)}, "
+                         "or pass a callable fn(completions, **kwargs) -> list[float]")
+    return REWARD_FUNCS[name]
+
+
+def resolve_reward_funcs(funcs: str | RewardFunc | Sequence[str | RewardFunc] | Mapping[str, RewardFunc]
+                         ) -> dict[str, RewardFunc]:
+    """Names and callables (TRL's ``reward_funcs``) -> ``{name: fn}``, in order."""
+    if isinstance(funcs, Mapping):
+        return dict(funcs)
+    if isinstance(funcs, str) or callable(funcs):
+        funcs = [funcs]
+    resolved: dict[str, RewardFunc] = {}
+    for f in funcs:
+        name, fn = (f, get_reward_func(f)) if isinstance(f, str) else (getattr(f, "__name__", repr(f)), f)
+        if name in resolved:
+            raise ValueError(f"reward function {name!r} is given twice")
+        resolved[name] = fn
+    return resolved
+
+
+def _column_at(value: Any, i: int, n: int) -> Any:
+    return [value[i]] if isinstance(value, (list, tuple)) and len(value) == n else value
+
+
+def _first_failing_sample(fn: RewardFunc, completions: list, columns: dict[str, Any]) -> int | None:
+    n = len(completions)
+    for i in range(n):
+        try:
+            fn([completions[i]], **{k: _column_at(v, i, n) for k, v in columns.items()})
+        except Exception:  # noqa: BLE001 -- user code: any exception marks the sample
+            return i
+    return None
+
+
+def _to_floats(name: str, rewards: Any, n: int) -> list[float]:
+    if not isinstance(rewards, Sequence) or isinstance(rewards, str):
+        raise RewardError(f"reward function {name!r} returned {type(rewards).__name__}, expected a list of {n} floats")
+    if len(rewards) != n:
+        raise RewardError(f"reward function {name!r} returned {len(rewards)} rewards for {n} completions")
+    out = []
+    for i, r in enumerate(rewards):
+        try:
+            out.append(math.nan if r is None else float(r))
+        except (TypeError, ValueError) as e:
+            raise RewardError(f"reward function {name!r} returned a non-number at sample {i}: {r!r}") from e
+    return out
+
+
+def compute_rewards(funcs: str | RewardFunc | Sequence[str | RewardFunc] | Mapping[str, RewardFunc],
+                    completions: list, **columns: Any) -> dict[str, list[float]]:
+    """Call every reward function on the batch: ``{name: [reward per completion]}``."""
+    n = len(completions)
+    for key, value in columns.items():
+        if isinstance(value, (list, tuple)) and len(value) != n:
+            raise ValueError(f"column {key!r} has {len(value)} values for {n} completions")
+    results = {}
+    for name, fn in resolve_reward_funcs(funcs).items():
+        try:
+            rewards = fn(completions, **columns)
+        except Exception as e:
+            i = _first_failing_sample(fn, completions, columns)
+            where = f"sample {i}" if i is not None else "the batch (no single sample fails alone)"
+            raise RewardError(f"reward function {name!r} raised on {where}: {type(e).__name__}: {e}") from e
+        results[name] = _to_floats(name, rewards, n)
+    return results

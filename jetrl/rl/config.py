@@ -1,0 +1,127 @@
+"""GRPOConfig: the RL hyper-parameters, under TRL's field names, validated on construction.
+
+One RL *step* is: sample ``generation_batch_size`` completions (``generation_batch_size /
+num_generations`` prompts, ``num_generations`` samples each), score them, then run
+``num_iterations`` epochs over them in micro-batches of ``per_device_train_batch_size``
+completions, stepping the optimizer every ``gradient_accumulation_steps`` micro-batches.
+So one RL step makes ``num_iterations * generation_batch_size / (per_device_train_batch_size
+* gradient_accumulation_steps)`` optimizer steps. ``max_steps`` counts RL steps (TRL counts
+optimizer steps; with the defaults below the two are equal).
+
+Each field is documented once, in its ``help`` metadata (``jetrl train --help-config`` prints them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from jetrl.rl.loss import LOSS_TYPES
+
+
+def _f(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(kw_only=True)
+class GRPOConfig:
+    # --- schedule
+    max_steps: int = _f(100, "RL steps (one rollout batch + its updates each)")
+    learning_rate: float = _f(1e-5, "AdamW learning rate (constant after warmup)")
+    warmup_steps: int = _f(0, "optimizer steps of linear learning-rate warmup")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    adam_beta1: float = _f(0.9, "AdamW beta1")
+    adam_beta2: float = _f(0.99, "AdamW beta2")
+    max_grad_norm: float = _f(1.0, "clip the global gradient norm to this (0 disables clipping)")
+    seed: int = _f(0, "seed of data order, sampling and initialization")
+    # --- rollout
+    num_generations: int = _f(8, "completions per prompt (the GRPO group size G)")
+    generation_batch_size: int = _f(64, "completions per RL step (a multiple of num_generations)")
+    max_prompt_length: int = _f(256, "prompts longer than this (in tokens) are an error at start")
+    max_completion_length: int = _f(256, "maximum new tokens per completion")
+    temperature: float = _f(1.0, "sampling temperature of the rollout")
+    top_p: float = _f(1.0, "nucleus sampling mass of the rollout")
+    top_k: int = _f(0, "top-k of the rollout (0 = off)")
+    # --- update
+    per_device_train_batch_size: int = _f(16, "completions per micro-batch")
+    gradient_accumulation_steps: int = _f(4, "micro-batches per optimizer step")
+    num_iterations: int = _f(1, "epochs over each rollout batch (GRPO's mu)")
+    epsilon: float = _f(0.2, "PPO clip range, lower side (epsilon_low)")
+    epsilon_high: float | None = _f(None, "PPO clip range, upper side (DAPO clip-higher; None = epsilon)")
+    loss_type: str = _f("dapo", f"loss aggregation, one of {LOSS_TYPES}")
+    scale_rewards: str = _f("group", "advantage scaling: 'group' (GRPO), 'batch' or 'none' (Dr. GRPO)")
+    beta: float = _f(0.0, "weight of the k3 KL to the initial (reference) policy; 0 = no reference model")
+    mask_truncated_completions: bool = _f(False, "DAPO overlong filter: truncated completions get no loss")
+    overlong_penalty_length: int = _f(0, "DAPO soft overlong penalty: the last N tokens before the limit (0 = off)")
+    overlong_penalty_factor: float = _f(1.0, "DAPO soft overlong penalty at the limit")
+    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose rewards are all equal")
+    reward_weights: list[float] | None = _f(None, "weights of the reward functions (None = all 1)")
+    # --- precision flow and off-policy handling
+    old_logprobs: str = _f("auto", "'recompute' (trainer pass), 'rollout' (reuse; only on-policy recipes), 'auto'")
+    rollout_correction: str = _f("none", "'none', 'tis' (truncated IS) or 'mis' (masked IS / IcePop)")
+    rollout_correction_threshold: float = _f(2.0, "C of TIS/MIS (> 1)")
+    nonfinite_step: str = _f("skip", "a step whose loss or gradient is NaN/Inf: 'skip' it or 'stop' the run")
+
+    def __post_init__(self) -> None:
+        positive = ("max_steps", "num_generations", "generation_batch_size", "max_prompt_length",
+                    "max_completion_length", "per_device_train_batch_size", "gradient_accumulation_steps",
+                    "num_iterations")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"grpo.{name}={value!r} must be an int >= 1")
+        if self.generation_batch_size % self.num_generations:
+            raise ValueError(
+                f"grpo.generation_batch_size={self.generation_batch_size} must be a multiple of "
+                f"grpo.num_generations={self.num_generations}"
+            )
+        if self.generation_batch_size % self.per_device_train_batch_size:
+            raise ValueError(
+                f"grpo.generation_batch_size={self.generation_batch_size} must be a multiple of "
+                f"grpo.per_device_train_batch_size={self.per_device_train_batch_size}"
+            )
+        if self.num_generations < 2 and self.scale_rewards != "none":
+            raise ValueError("grpo.num_generations must be >= 2 for group-normalized advantages (or scale_rewards='none')")
+        checks = [
+            (self.learning_rate > 0, "learning_rate", "must be > 0"),
+            (self.temperature > 0, "temperature", "must be > 0 for RL sampling"),
+            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "must be >= 0"),
+            (0 <= self.epsilon < 1, "epsilon", "must be in [0, 1)"),
+            (self.epsilon_high is None or self.epsilon_high >= 0, "epsilon_high", "must be >= 0"),
+            (self.beta >= 0, "beta", "must be >= 0"),
+            (self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0"),
+            (self.warmup_steps >= 0, "warmup_steps", "must be >= 0"),
+            (self.loss_type in LOSS_TYPES, "loss_type", f"must be one of {LOSS_TYPES}"),
+            (self.scale_rewards in ("group", "batch", "none"), "scale_rewards", "must be 'group', 'batch' or 'none'"),
+            (self.old_logprobs in ("auto", "recompute", "rollout"), "old_logprobs", "must be 'auto', 'recompute' or 'rollout'"),
+            (self.rollout_correction in ("none", "tis", "mis"), "rollout_correction", "must be 'none', 'tis' or 'mis'"),
+            (self.rollout_correction_threshold > 1, "rollout_correction_threshold", "must be > 1"),
+            (self.nonfinite_step in ("skip", "stop"), "nonfinite_step", "must be 'skip' or 'stop'"),
+            (0 <= self.overlong_penalty_length < self.max_completion_length, "overlong_penalty_length",
+             "must be in [0, max_completion_length)"),
+        ]
+        for ok, name, why in checks:
+            if not ok:
+                raise ValueError(f"grpo.{name}={getattr(self, name)!r} {why}")
+
+    @property
+    def epsilon_low(self) -> float:
+        return self.epsilon
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.generation_batch_size // self.num_generations
+
+    @property
+    def optimizer_steps_per_rl_step(self) -> int:
+        micro = self.generation_batch_size // self.per_device_train_batch_size
+        return max(1, self.num_iterations * micro // self.gradient_accumulation_steps)
+
+    @classmethod
+    def field_help(cls) -> dict[str, str]:
+        return {f.name: f.metadata.get("help", "") for f in fields(cls)}

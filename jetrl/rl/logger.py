@@ -1,0 +1,74 @@
+"""Where a run's metrics go: ``metrics.jsonl`` (always), TensorBoard, optional W&B, a progress line.
+
+``metrics.jsonl`` is the record of truth: one JSON object per RL step, flushed at once. On
+``--resume`` the lines after the checkpoint's step are dropped first, so the file reads as if
+the run had never been interrupted. TensorBoard is written when ``tensorboard`` is importable
+(``torch.utils.tensorboard``); W&B only when a project is configured (imported lazily).
+The progress line shows step, ETA and a few headline metrics on stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HEADLINE = ("reward", "accuracy", "completions/mean_length", "rollout_corr/k3_kl", "time/step")
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str | Path, *, total_steps: int, resume_step: int = 0, tensorboard: bool = True,
+                 wandb_project: str | None = None, run_name: str | None = None, config: dict | None = None,
+                 progress: bool = True) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
+            self.path.write_text("".join(f"{line}\n" for line in kept))
+        elif self.path.exists():
+            self.path.unlink()
+        self.total_steps, self.progress = total_steps, progress
+        self.start, self.start_step = time.time(), resume_step
+        self.tb = self.wandb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            except ImportError:
+                self.tb = None
+        if wandb_project:
+            import wandb  # optional dependency: pip install wandb
+
+            self.wandb = wandb.init(project=wandb_project, name=run_name, config=config, resume="allow")
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, **metrics}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                if self.tb is not None:
+                    self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if self.progress:
+            self._progress(step, metrics)
+
+    def _progress(self, step: int, metrics: dict[str, Any]) -> None:
+        done = step - self.start_step
+        elapsed = time.time() - self.start
+        eta = elapsed / max(done, 1) * (self.total_steps - step)
+        parts = [f"{k.split('/')[-1]} {metrics[k]:.4g}" for k in HEADLINE if isinstance(metrics.get(k), (int, float))]
+        bar = "#" * int(20 * step / self.total_steps)
+        print(f"\r[{bar:<20}] step {step}/{self.total_steps}  eta {eta:5.0f}s  " + "  ".join(parts),
+              end="\n" if step == self.total_steps else "", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -1,0 +1,100 @@
+"""The clipped policy-gradient loss of GRPO/DAPO, as one pure function of per-token tensors.
+
+Per completion token t of sequence i (mask m_it = 1 for completion tokens, 0 for prompt and
+padding, so those contribute nothing):
+
+    ratio_it = exp(lp_it - old_lp_it)
+    l_it     = -min(ratio_it A_i, clip(ratio_it, 1 - eps_low, 1 + eps_high) A_i)     PPO-clip
+             + beta * k3_it,   k3_it = exp(ref_it - lp_it) - (ref_it - lp_it) - 1     KL to a reference
+    l_it    *= w_it                                                                  rollout correction (TIS/MIS)
+
+eps_high > eps_low is DAPO's clip-higher. Aggregation (TRL's ``loss_type`` names):
+
+    "grpo"     mean over sequences of (sum_t m l / sum_t m)         sequence-level mean
+    "bnpo"     sum_it m l / sum_it m                                 token-level, this micro-batch
+    "dapo"     sum_it m l / num_items_in_batch                       token-level over the whole rollout
+                                                                    batch (so grad accumulation is exact)
+    "dr_grpo"  sum_it m l / (num_sequences * max_completion_length)
+
+Returns the loss and detached statistics (clip fractions, mean ratio, KL).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+LossType = Literal["grpo", "bnpo", "dapo", "dr_grpo"]
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+
+
+def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(pi || ref): exp(ref - lp) - (ref - lp) - 1 (>= 0, unbiased)."""
+    delta = ref_logprobs - logprobs
+    return torch.exp(delta) - delta - 1
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    loss_type: LossType = "dapo",
+    beta: float = 0.0,
+    ref_logprobs: Tensor | None = None,
+    token_weights: Tensor | None = None,
+    num_items_in_batch: int | float | None = None,
+    max_completion_length: int | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Loss over (B, T) per-token tensors; ``advantages`` is (B,) or (B, T). See the module docstring."""
+    mask = mask.to(logprobs.dtype)
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    kl = None
+    if beta != 0.0:
+        if ref_logprobs is None:
+            raise ValueError("beta > 0 needs ref_logprobs (the reference model's per-token logprobs)")
+        kl = k3_kl(logprobs, ref_logprobs)
+        per_token = per_token + beta * kl
+    if token_weights is not None:
+        per_token = per_token * token_weights.detach()
+    loss = _aggregate(per_token, mask, loss_type, num_items_in_batch, max_completion_length)
+
+    with torch.no_grad():
+        n = mask.sum().clamp_min(1)
+        low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(mask.dtype)
+        high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype)
+        stats = {
+            "clip_ratio/low_mean": float((low * mask).sum() / n),
+            "clip_ratio/high_mean": float((high * mask).sum() / n),
+            "clip_ratio/region_mean": float(((low + high) * mask).sum() / n),
+            "ratio_mean": float((ratio * mask).sum() / n),
+        }
+        if kl is not None:
+            stats["kl"] = float((kl * mask).sum() / n)
+    return loss, stats
+
+
+def _aggregate(per_token: Tensor, mask: Tensor, loss_type: str, num_items_in_batch, max_completion_length) -> Tensor:
+    masked = per_token * mask
+    if loss_type == "grpo":
+        return (masked.sum(-1) / mask.sum(-1).clamp_min(1)).mean()
+    if loss_type == "bnpo":
+        return masked.sum() / mask.sum().clamp_min(1)
+    if loss_type == "dapo":
+        denom = num_items_in_batch if num_items_in_batch is not None else mask.sum().clamp_min(1)
+        return masked.sum() / denom
+    if loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("loss_type='dr_grpo' needs max_completion_length")
+        return masked.sum() / (per_token.shape[0] * max_completion_length)
+    raise ValueError(f"loss_type={loss_type!r}; use one of {LOSS_TYPES}")

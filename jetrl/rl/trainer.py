@@ -1,0 +1,249 @@
+"""GRPOTrainer: the RL loop, in TRL's vocabulary, on one shared precision flow.
+
+``GRPOTrainer(model, reward_funcs, args, train_dataset, ...)`` then ``.train()``. One RL step:
+
+    rollout       engine.generate on the trainer's own modules (precision_phase "rollout")  rollout.py
+    old logprobs  recomputed by a no-grad trainer forward, or reused from the rollout (only
+                  for recipes whose rollout graph is the training graph, e.g. ``jet``)
+    mismatch      design.md §6 metrics: trainer vs rollout logprobs of the sampled tokens   metrics.py
+    correction    TIS / MIS weights from old vs rollout logprobs (off by default)           correction.py
+    update        num_iterations epochs of micro-batches: policy_loss (loss.py), gradient
+                  accumulation, clipping, a non-finite check, AdamW, then every FP8 weight is
+                  quantized once for the new version (refresh_weight_caches)
+
+This file only orchestrates; the math lives in the pure functions it calls. The recipe's
+rollout-subgraph check runs in the constructor, so an undeclared off-policy flow never starts.
+Everything random derives from ``(args.seed, step)``, which is what makes ``resume`` exact.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from jetrl.data import encode_prompts
+from jetrl.engine import Engine
+from jetrl.fp8 import (
+    Recipe,
+    check_model_precision,
+    check_rollout_subgraph,
+    convert_to_float8,
+    float8_modules,
+    get_recipe,
+    refresh_weight_caches,
+)
+from jetrl.rewards import math_reward, resolve_reward_funcs
+from jetrl.rl.batch import RolloutBatch, completion_logprobs
+from jetrl.rl.config import GRPOConfig
+from jetrl.rl.correction import rollout_correction_weights
+from jetrl.rl.loss import policy_loss
+from jetrl.rl.metrics import mismatch_metrics
+from jetrl.rl.rollout import rollout
+
+
+class NonFiniteStepError(RuntimeError):
+    """A step's loss or gradient was NaN/Inf and ``nonfinite_step='stop'``."""
+
+
+class GRPOTrainer:
+    def __init__(self, model: nn.Module, reward_funcs: str | Callable | Sequence[str | Callable],
+                 args: GRPOConfig, train_dataset: Sequence[dict[str, Any]], *, tokenizer: Any,
+                 recipe: Recipe | str = "jet", system_prompt: str | None = None,
+                 accuracy_func: Callable | None = math_reward, engine_kwargs: dict | None = None) -> None:
+        if not train_dataset:
+            raise ValueError("train_dataset is empty: give at least one record")
+        self.args, self.tokenizer = args, tokenizer
+        self.recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
+        self.policy_report = check_rollout_subgraph(self.recipe)  # raises for an undeclared off-policy flow
+        self.model = model if float8_modules(model) else convert_to_float8(model, self.recipe)
+        check_model_precision(self.model, self.recipe)
+        self.old_logprobs_source = self._resolve_old_logprobs(args.old_logprobs)
+        self.reward_funcs = resolve_reward_funcs(reward_funcs)
+        self.accuracy_func = accuracy_func
+        self.records = list(train_dataset)
+        self.prompt_ids = encode_prompts(self.records, tokenizer, system_prompt=system_prompt,
+                                         max_prompt_length=args.max_prompt_length)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
+                                           betas=(args.adam_beta1, args.adam_beta2))
+        self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if args.beta > 0 else None
+        self.engine = Engine(self.model, tokenizer, max_slots=args.generation_batch_size,
+                             max_len=args.max_prompt_length + args.max_completion_length, **(engine_kwargs or {}))
+        self.step = 0
+        self.optimizer_steps = 0
+        self.nonfinite_steps = 0
+
+    def _resolve_old_logprobs(self, choice: str) -> str:
+        same_graph = self.policy_report["on_policy"] and self.recipe.train.is_fp8 == self.recipe.rollout.is_fp8
+        if choice == "auto":
+            return "rollout" if same_graph and self.recipe.train.is_fp8 else "recompute"
+        if choice == "rollout" and not self.policy_report["on_policy"]:
+            raise ValueError(f"grpo.old_logprobs='rollout' needs an on-policy recipe; {self.recipe.name!r} is "
+                             "off-policy (its rollout graph differs from training): use 'recompute'")
+        return choice
+
+    # ------------------------------------------------------------------ data
+    def prompt_indices(self, step: int) -> list[int]:
+        """The records of RL step ``step``: an epoch-wise permutation seeded by (seed, epoch)."""
+        per_step, n = self.args.prompts_per_step, len(self.records)
+        out = []
+        for k in range(step * per_step, (step + 1) * per_step):
+            epoch, pos = divmod(k, n)
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.args.seed * 1_000_003 + epoch))
+            out.append(int(perm[pos]))
+        return out
+
+    def train(self, on_step: Callable[[int, dict[str, float]], None] | None = None) -> list[dict[str, float]]:
+        """Run RL steps until ``args.max_steps``; ``on_step(step, metrics)`` after each (logging, checkpoints)."""
+        history = []
+        while self.step < self.args.max_steps:
+            metrics = self.train_step()
+            history.append(metrics)
+            if on_step is not None:
+                on_step(self.step, metrics)
+        return history
+
+    # ------------------------------------------------------------------ one RL step
+    def train_step(self) -> dict[str, float]:
+        args, step = self.args, self.step
+        t0 = time.time()
+        idx = self.prompt_indices(step)
+        batch, metrics, _ = rollout(self.engine, [self.prompt_ids[i] for i in idx], [self.records[i] for i in idx],
+                                    self.reward_funcs, args, seed=args.seed * 1_000_003 + step,
+                                    accuracy_func=self.accuracy_func)
+        t1 = time.time()
+        if batch is not None:
+            self._old_logprobs(batch, metrics)
+            t2 = time.time()
+            self._update(batch, metrics)
+        else:
+            t2 = t1
+        t3 = time.time()
+        self.step += 1
+        metrics.update({
+            "time/rollout": t1 - t0, "time/old_logprobs": t2 - t1, "time/update": t3 - t2, "time/step": t3 - t0,
+            "learning_rate": self._lr(), "optimizer_steps": self.optimizer_steps, "nonfinite_steps": self.nonfinite_steps,
+        })
+        return metrics
+
+    def _old_logprobs(self, batch: RolloutBatch, metrics: dict[str, float]) -> None:
+        if self.old_logprobs_source == "recompute":
+            with torch.no_grad():
+                batch.old_logprobs = self._forward_logprobs(self.model, batch)
+            metrics.update(mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, batch.completion_mask))
+        else:
+            batch.old_logprobs = batch.rollout_logprobs.clone()
+        if self.ref_model is not None:
+            with torch.no_grad():
+                batch.ref_logprobs = self._forward_logprobs(self.ref_model, batch)
+
+    def _forward_logprobs(self, model: nn.Module, batch: RolloutBatch) -> torch.Tensor:
+        size = self.args.per_device_train_batch_size
+        parts = [completion_logprobs(model, batch.select(slice(i, i + size)))[0].cpu()
+                 for i in range(0, len(batch), size)]
+        width = batch.completion_ids.shape[1]
+        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+
+    def _update(self, batch: RolloutBatch, metrics: dict[str, float]) -> None:
+        args = self.args
+        weights, corr_stats = rollout_correction_weights(batch.old_logprobs, batch.rollout_logprobs,
+                                                         batch.completion_mask, args.rollout_correction,
+                                                         args.rollout_correction_threshold)
+        metrics.update(corr_stats)
+        size, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
+        starts = list(range(0, len(batch), size))
+        stats_sum: dict[str, float] = {}
+        first_pass: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # for reused-logprob mismatch
+        entropy_sum = entropy_count = 0.0
+        grad_norms: list[float] = []
+        micro = 0
+        for iteration in range(args.num_iterations):
+            for group_start in range(0, len(starts), accum):
+                group = starts[group_start: group_start + accum]
+                rows = [slice(s, s + size) for s in group]
+                tokens = sum(float(batch.completion_mask[r].sum()) for r in rows)
+                losses = []
+                for r in rows:
+                    sub = batch.select(r)
+                    lp, entropy = completion_logprobs(self.model, sub, with_entropy=True)
+                    mask = sub.completion_mask.to(lp.device)
+                    loss, stats = policy_loss(
+                        lp, sub.old_logprobs.to(lp.device), sub.advantages.to(lp.device), mask,
+                        epsilon_low=args.epsilon_low, epsilon_high=args.clip_high, loss_type=args.loss_type,
+                        beta=args.beta, ref_logprobs=None if sub.ref_logprobs is None else sub.ref_logprobs.to(lp.device),
+                        token_weights=None if weights is None else weights[r][:, : lp.shape[1]].to(lp.device),
+                        num_items_in_batch=max(tokens, 1.0), max_completion_length=args.max_completion_length)
+                    if args.loss_type != "dapo":
+                        loss = loss / len(rows)
+                    loss.backward()
+                    losses.append(loss.detach())
+                    micro += 1
+                    for k, v in stats.items():
+                        stats_sum[k] = stats_sum.get(k, 0.0) + v
+                    entropy_sum += float((entropy * mask).sum())
+                    entropy_count += float(mask.sum())
+                    if iteration == 0 and group_start == 0:  # before this step's first optimizer update
+                        first_pass.append((lp.detach().cpu(), sub.rollout_logprobs, sub.completion_mask))
+                grad_norms.append(self._optimizer_step(torch.stack(losses).sum()))
+        metrics.update({k: v / max(micro, 1) for k, v in stats_sum.items()})
+        metrics["entropy"] = entropy_sum / max(entropy_count, 1.0)
+        finite = [g for g in grad_norms if math.isfinite(g)]
+        metrics["grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
+        if self.old_logprobs_source == "rollout" and first_pass:
+            metrics.update(_mismatch_of(first_pass))
+
+    def _optimizer_step(self, loss: torch.Tensor) -> float:
+        args = self.args
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if args.max_grad_norm > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
+        else:
+            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+        if not (math.isfinite(norm) and math.isfinite(float(loss))):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nonfinite_steps += 1
+            message = (f"step {self.step}: non-finite loss ({float(loss)}) or gradient norm ({norm}); "
+                       "the update was not applied")
+            if args.nonfinite_step == "stop":
+                raise NonFiniteStepError(message + " and the run stops (grpo.nonfinite_step='stop'); lower "
+                                         "grpo.learning_rate or resume from the last checkpoint")
+            print(f"warning: {message} (skipped; grpo.nonfinite_step='skip')")
+            return float("nan")
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._lr()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        refresh_weight_caches(self.model)  # quantize every FP8 weight once for the new version
+        return norm
+
+    def _lr(self) -> float:
+        warmup = self.args.warmup_steps
+        if warmup and self.optimizer_steps < warmup:
+            return self.args.learning_rate * (self.optimizer_steps + 1) / warmup
+        return self.args.learning_rate
+
+    # ------------------------------------------------------------------ state (checkpoints)
+    def state_dict(self) -> dict[str, Any]:
+        return {"rl_step": self.step, "optimizer_steps": self.optimizer_steps, "nonfinite_steps": self.nonfinite_steps,
+                "data_position": self.step * self.args.prompts_per_step}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.step = state["rl_step"]
+        self.optimizer_steps = state["optimizer_steps"]
+        self.nonfinite_steps = state["nonfinite_steps"]
+        refresh_weight_caches(self.model)
+
+
+def _mismatch_of(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+    width = max(p[0].shape[1] for p in parts)
+
+    def cat(i: int) -> torch.Tensor:
+        return torch.cat([torch.nn.functional.pad(p[i], (0, width - p[i].shape[1])) for p in parts])
+
+    return mismatch_metrics(cat(0), cat(1), cat(2))

@@ -1,0 +1,213 @@
+"""Data: synthetic and reasoning-gym tasks, jsonl/parquet/verl loading with its errors, the
+held-out split, and chat-template prompt ids with a tokenizer built offline."""
+
+import json
+
+import pytest
+
+from jetrl.data import (
+    DatasetError,
+    PromptTooLongError,
+    encode_prompts,
+    load_records,
+    reasoning_gym_records,
+    save_records,
+    split_eval,
+    synthetic_split,
+)
+
+
+def _key(record):
+    return record["prompt"][-1]["content"]
+
+
+# ---------------------------------------------------------------- synthetic task
+
+
+def test_synthetic_is_deterministic_disjoint_and_correct():
+    train, held_out = synthetic_split(500, 100, seed=3, ops=("+", "-", "*"), max_operand=20)
+    assert (train, held_out) == synthetic_split(500, 100, seed=3, ops=("+", "-", "*"), max_operand=20)
+    assert synthetic_split(500, 100, seed=4, ops=("+", "-", "*"), max_operand=20)[1] != held_out
+    assert len(train) == 500 and len(held_out) == 100
+    # Disjoint, also up to swapping the operands of + and *.
+    def canon(r):
+        a, op, b = _key(r).removeprefix("What is ").removesuffix("?").split()
+        return (op, *sorted((a, b))) if op in "+*" else (op, a, b)
+    assert not {canon(r) for r in train} & {canon(r) for r in held_out}
+    assert len({canon(r) for r in train}) == 500
+    for r in train + held_out:
+        a, op, b = _key(r).removeprefix("What is ").removesuffix("?").split()
+        assert r["ground_truth"] == str(eval(f"{a} {op} {b}")) and r["task"] == "synthetic"
+
+
+def test_synthetic_errors():
+    with pytest.raises(ValueError, match="give only 66 distinct ones"):
+        synthetic_split(60, 10, seed=0, max_operand=10)
+    with pytest.raises(ValueError, match="subset of"):
+        synthetic_split(1, 1, seed=0, ops=("/",))
+
+
+# ---------------------------------------------------------------- reasoning-gym
+
+
+@pytest.mark.parametrize("task", ["gsm_symbolic", "basic_arithmetic", "chain_sum"])
+def test_reasoning_gym_records_agree_with_math_reward(task):
+    pytest.importorskip("reasoning_gym")
+    pytest.importorskip("math_verify")
+    from jetrl.rewards import compute_rewards
+    from jetrl.rewards.rg import score_fn
+
+    records = reasoning_gym_records(task, size=8, seed=1)
+    assert records == reasoning_gym_records(task, size=8, seed=1)
+    assert all(r["ground_truth"] and r["task"] == task for r in records)
+    assert all(r["prompt"][-1]["content"].endswith("\\boxed{}.") for r in records)
+    json.dumps(records)  # metadata is JSON-safe (gsm_symbolic carries Fractions)
+    for r in records:
+        assert score_fn(task)(r["ground_truth"], {"answer": r["ground_truth"], "metadata": r["metadata"]}) == 1.0
+    columns = {k: [r[k] for r in records] for k in ("ground_truth", "task", "metadata")}
+    right = [f"Working... so the answer is \\boxed{{{r['ground_truth']}}}." for r in records]
+    wrong = [f"\\boxed{{{int(float(r['ground_truth'])) + 1}}}" for r in records]
+    assert compute_rewards(["math", "reasoning_gym"], right, **columns) == {"math": [1.0] * 8, "reasoning_gym": [1.0] * 8}
+    assert compute_rewards(["math"], wrong, **columns) == {"math": [0.0] * 8}
+    if task == "gsm_symbolic":  # its chain of thought ends "#### <answer>"
+        cot = [r["metadata"]["answer_cot"] for r in records]
+        assert compute_rewards("math", cot, **columns)["math"] == [1.0] * 8
+
+
+# ---------------------------------------------------------------- files
+
+
+def test_jsonl_round_trip_and_plain_format(tmp_path):
+    train, _ = synthetic_split(5, 0, seed=0)
+    path = tmp_path / "synth.jsonl"
+    save_records(train, path)
+    assert load_records(path) == train
+    plain = tmp_path / "gsm.jsonl"
+    plain.write_text(json.dumps({"question": "Q?", "answer": "so #### 72"}) + "\n\n"
+                     + json.dumps({"prompt": [{"role": "user", "content": "P"}], "ground_truth": 3}) + "\n")
+    a, b = load_records(plain)
+    assert a == {"prompt": [{"role": "user", "content": "Q?"}], "ground_truth": "so #### 72", "task": "gsm"}
+    assert b["ground_truth"] == "3"
+
+
+VERL_ROW = {
+    "data_source": "openai/gsm8k",
+    "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+    "ability": "math",
+    "reward_model": {"style": "rule", "ground_truth": "4"},
+    "extra_info": {"split": "train", "index": 0},
+}
+VERL_RECORD = {"prompt": VERL_ROW["prompt"], "ground_truth": "4", "task": "openai/gsm8k"}
+
+
+def test_verl_format_jsonl(tmp_path):
+    path = tmp_path / "verl.jsonl"
+    path.write_text(json.dumps(VERL_ROW) + "\n")
+    assert load_records(path) == [VERL_RECORD]
+
+
+def test_parquet_round_trip_and_verl(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    records = synthetic_split(4, 0, seed=0)[0]
+    records[1] = {**records[1], "metadata": {"a": 1, "nested": {"b": [1, 2]}}}
+    save_records(records, tmp_path / "r.parquet")
+    assert load_records(tmp_path / "r.parquet") == records
+    pq.write_table(pa.Table.from_pylist([VERL_ROW, VERL_ROW]), tmp_path / "verl.parquet")
+    assert load_records(tmp_path / "verl.parquet") == [VERL_RECORD, VERL_RECORD]
+
+
+@pytest.mark.parametrize("name,content,match", [
+    ("empty.jsonl", "\n  \n", r"empty\.jsonl: dataset file is empty"),
+    ("bad.jsonl", '{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": \n', r"bad\.jsonl:2: malformed JSON line"),
+    ("list.jsonl", "[1, 2]\n", r"list\.jsonl:1: expected a JSON object, got list"),
+    ("nogold.jsonl", '{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n', r"nogold\.jsonl:2: record has no gold answer"),
+    ("blankgold.jsonl", '{"prompt": "a", "answer": "  "}\n', r"blankgold\.jsonl:1: record has no gold answer"),
+    ("noprompt.jsonl", '{"answer": "1"}\n', r"noprompt\.jsonl:1: record has no prompt"),
+    ("badmsg.jsonl", '{"prompt": [{"role": "robot", "content": "x"}], "answer": "1"}\n',
+     r"badmsg\.jsonl:1: .*role 'robot'"),
+    ("data.csv", "prompt,answer\n", r"unsupported dataset format '\.csv'"),
+    ("bad.parquet", "not parquet", r"bad\.parquet: cannot read parquet"),
+])
+def test_dataset_errors(tmp_path, name, content, match):
+    if name.endswith(".parquet"):
+        pytest.importorskip("pyarrow")
+    (tmp_path / name).write_text(content)
+    with pytest.raises(DatasetError, match=match):
+        load_records(tmp_path / name)
+
+
+def test_missing_and_empty_parquet(tmp_path):
+    with pytest.raises(DatasetError, match="dataset file not found: .*nope.jsonl"):
+        load_records(tmp_path / "nope.jsonl")
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "answer": pa.array([], pa.string())}),
+                   tmp_path / "empty.parquet")
+    with pytest.raises(DatasetError, match="empty.parquet: dataset file is empty"):
+        load_records(tmp_path / "empty.parquet")
+
+
+def test_split_eval():
+    records = synthetic_split(50, 0, seed=0)[0]
+    train, held_out = split_eval(records, 0.2, seed=1)
+    assert len(held_out) == 10 and len(train) == 40
+    assert (train, held_out) == split_eval(records, 0.2, seed=1)
+    assert sorted(map(_key, train + held_out)) == sorted(map(_key, records))
+    assert not set(map(_key, train)) & set(map(_key, held_out))
+    assert [r for r in records if r in held_out] == held_out  # input order kept
+    assert len(split_eval(records, 7)[1]) == 7
+    for bad in (0, 50, 1.0, 0.0):
+        with pytest.raises(ValueError, match="eval_size"):
+            split_eval(records, bad)
+    for bad in (True, "10"):
+        with pytest.raises(TypeError, match="eval_size"):
+            split_eval(records, bad)
+
+
+# ---------------------------------------------------------------- chat template
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    """A 256-token byte-level tokenizer with a tiny chat template, built offline."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template)
+
+
+def test_encode_prompts_with_chat_template(byte_tokenizer):
+    train, _ = synthetic_split(3, 0, seed=0)
+    ids = encode_prompts(train, byte_tokenizer)
+    assert byte_tokenizer.decode(ids[0]) == f"<user>{_key(train[0])}\n<assistant>"
+    with_system = encode_prompts(train, byte_tokenizer, system_prompt="Answer.")
+    assert byte_tokenizer.decode(with_system[0]) == f"<system>Answer.\n<user>{_key(train[0])}\n<assistant>"
+    verl = [{**VERL_RECORD}]  # its own system message wins over the configured one
+    text = byte_tokenizer.decode(encode_prompts(verl, byte_tokenizer, system_prompt="X")[0])
+    assert text.startswith("<system>Be brief.\n<user>2+2?")
+
+
+def test_prompt_too_long_names_record_and_lengths(byte_tokenizer):
+    records = synthetic_split(3, 0, seed=0)[0] + [VERL_RECORD]
+    lengths = [len(ids) for ids in encode_prompts(records, byte_tokenizer)]
+    limit = max(lengths[:3])
+    assert lengths[3] > limit
+    with pytest.raises(PromptTooLongError, match=rf"prompt of record 3 is {lengths[3]} tokens, longer than "
+                                                 rf"max_prompt_length={limit}"):
+        encode_prompts(records, byte_tokenizer, max_prompt_length=limit)
+
+
+def test_tokenizer_without_chat_template(byte_tokenizer):
+    from transformers import PreTrainedTokenizerFast
+
+    plain = PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer.backend_tokenizer)
+    with pytest.raises(ValueError, match="has no chat_template"):
+        encode_prompts(synthetic_split(1, 0, seed=0)[0], plain)

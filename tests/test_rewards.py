@@ -1,0 +1,137 @@
+"""Rewards: answer extraction, math-verify equality (also off the main thread), the format
+reward, and compute_rewards' errors."""
+
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("math_verify")
+
+from jetrl.rewards import (
+    RewardError,
+    compute_rewards,
+    extract_answer,
+    format_reward,
+    get_reward_func,
+    math_reward,
+    resolve_reward_funcs,
+)
+
+MATH_CASES = [  # (completion, gold, reward)
+    (r"So the total is \boxed{72}.", "72", 1.0),
+    (r"\boxed{71}", "72", 0.0),
+    ("Natalia sold 48 + 24 = 72 clips.\n#### 72", "72", 1.0),
+    ("#### 1,000", "1000", 1.0),
+    (r"\boxed{1,000}", "1,000", 1.0),
+    ("The answer is 1,000", "1000", 1.0),
+    (r"\boxed{\frac{1}{2}}", "0.5", 1.0),
+    (r"\boxed{0.5}", r"\frac{1}{2}", 1.0),
+    ("3/4", r"\frac{3}{4}", 1.0),
+    (r"\boxed{\frac{2}{3}}", "0.5", 0.0),
+    (r"\boxed{x = 3}", "3", 1.0),
+    (r"First \boxed{3}, no wait: \boxed{5}", "5", 1.0),  # the last box is the answer
+    (r"First \boxed{5}, no wait: \boxed{3}", "5", 0.0),
+    ("I am not sure.", "5", 0.0),  # no answer at all
+    ("", "5", 0.0),
+    (r"\boxed{}", "5", 0.0),
+    (r"It is \boxed{12", "12", 1.0),  # unclosed box ignored; the last number still counts
+    ("81", "81", 1.0),  # tiny-model style bare answer
+    ("-4", "-4", 1.0),
+    ("The answer is 4.", "-4", 0.0),
+    (r"\boxed{72}", "She earns 9 * 8 = 72.\n#### 72", 1.0),  # GSM8K-style gold solution
+]
+
+
+@pytest.mark.parametrize("completion,gold,expected", MATH_CASES)
+def test_math_reward_table(completion, gold, expected):
+    assert math_reward([completion], ground_truth=[gold]) == [expected]
+
+
+def test_math_reward_reads_answer_column_and_messages():
+    conversational = [[{"role": "assistant", "content": r"\boxed{9}"}]]
+    assert math_reward(conversational, answer=["9"]) == [1.0]
+    with pytest.raises(ValueError, match="gold-answer column"):
+        math_reward([r"\boxed{9}"], prompt=["x"])
+
+
+def test_math_reward_from_worker_threads():
+    completions, golds = [c for c, _, _ in MATH_CASES], [g for _, g, _ in MATH_CASES]
+    expected = [r for _, _, r in MATH_CASES]
+
+    def score():
+        assert threading.current_thread() is not threading.main_thread()
+        return math_reward(completions, ground_truth=golds)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = [f.result() for f in [pool.submit(score) for _ in range(2)]]
+    assert results == [expected, expected]
+
+
+@pytest.mark.parametrize("text,number_fallback,expected", [
+    (r"a \boxed{\frac{1}{\sqrt{2}}} b", True, r"\frac{1}{\sqrt{2}}"),
+    ("x\n#### 42 \nmore text 7", True, "42"),
+    ("we get 5 then 1,234.5", True, "1,234.5"),
+    ("we get 5 then 6", False, None),
+    (r"$\boxed{$7$}$.", True, "7"),
+])
+def test_extract_answer(text, number_fallback, expected):
+    assert extract_answer(text, number_fallback=number_fallback) == expected
+
+
+@pytest.mark.parametrize("completion,expected", [
+    (r"Reasoning... so \boxed{42}.", 1.0),
+    (r"\boxed{\frac{1}{2}}", 1.0),
+    ("42", 0.0),
+    ("#### 42", 0.0),
+    (r"\boxed{1} or \boxed{2}", 0.0),
+    (r"\boxed{ }", 0.0),
+    (r"\boxed{42", 0.0),
+    (r"\boxed{4} and \boxed{2", 0.0),
+])
+def test_format_reward(completion, expected):
+    assert format_reward([completion]) == [expected]
+
+
+def test_compute_rewards_by_name_and_callable():
+    def length_penalty(completions, **kwargs):
+        return [None if c == "" else -0.1 for c in completions]
+
+    out = compute_rewards(["math", "format", length_penalty], [r"\boxed{3}", "2", ""], ground_truth=["3", "3", "3"])
+    assert list(out) == ["math", "format", "length_penalty"]
+    assert out["math"] == [1.0, 0.0, 0.0] and out["format"] == [1.0, 0.0, 0.0]
+    assert out["length_penalty"][:2] == [-0.1, -0.1] and math.isnan(out["length_penalty"][2])
+
+
+def test_reward_that_raises_names_function_and_sample():
+    def picky(completions, ground_truth, **kwargs):
+        return [1.0 / int(c) for c in completions]
+
+    with pytest.raises(RewardError, match=r"reward function 'picky' raised on sample 2: ZeroDivisionError") as info:
+        compute_rewards([picky], ["1", "2", "0", "0"], ground_truth=["1"] * 4)
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+def test_reward_missing_column_fails_at_sample_0():
+    with pytest.raises(RewardError, match=r"'math' raised on sample 0: ValueError: .*gold-answer column"):
+        compute_rewards("math", [r"\boxed{1}"])
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda completions, **kw: [1.0], "returned 1 rewards for 2 completions"),
+    (lambda completions, **kw: 1.0, "returned float"),
+    (lambda completions, **kw: [1.0, "high"], "non-number at sample 1"),
+])
+def test_reward_bad_output(bad, match):
+    with pytest.raises(RewardError, match=match):
+        compute_rewards({"bad": bad}, ["a", "b"])
+
+
+def test_registry_errors():
+    with pytest.raises(ValueError, match=r"unknown reward function 'acc': choose one of math, format"):
+        get_reward_func("acc")
+    with pytest.raises(ValueError, match="given twice"):
+        resolve_reward_funcs(["math", "math"])
+    with pytest.raises(ValueError, match="column 'ground_truth' has 1 values for 2 completions"):
+        compute_rewards("math", ["a", "b"], ground_truth=["1"])

@@ -1,0 +1,112 @@
+"""Advantages, the clipped loss, rollout correction and mismatch metrics on hand-computed examples."""
+
+import math
+
+import pytest
+import torch
+
+from jetrl.rl.advantages import group_advantages, zero_signal_groups
+from jetrl.rl.correction import rollout_correction_weights
+from jetrl.rl.loss import k3_kl, policy_loss
+from jetrl.rl.metrics import MISMATCH_KEYS, mismatch_metrics
+
+
+def test_group_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0])  # groups of 2: (1,0) (0,1) (2,2)
+    adv = group_advantages(rewards, 2, "none")
+    assert torch.equal(adv, torch.tensor([0.5, -0.5, -0.5, 0.5, 0.0, 0.0]))
+    std = math.sqrt(0.5)  # unbiased std of (1, 0)
+    adv = group_advantages(rewards, 2, "group", eps=0.0)
+    assert torch.allclose(adv[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]) / std)
+    assert torch.equal(adv[4:], torch.zeros(2))  # equal rewards: no signal, exactly 0
+    assert zero_signal_groups(rewards, 2).tolist() == [False, False, True]
+    batch = group_advantages(rewards, 2, "batch", eps=0.0)
+    assert torch.allclose(batch[:2], torch.tensor([0.5, -0.5]) / rewards.std())
+    with pytest.raises(ValueError, match="multiple of num_generations=4"):
+        group_advantages(rewards, 4)
+
+
+def test_policy_loss_by_hand():
+    lp = torch.tensor([[math.log(1.5), math.log(0.5), 0.0]])
+    old = torch.zeros(1, 3)
+    adv = torch.tensor([1.0])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # the last token is padding
+    # ratios 1.5 (clipped to 1.2 for A>0) and 0.5 (A>0: min(0.5, 0.8) = 0.5)
+    loss, stats = policy_loss(lp, old, adv, mask, epsilon_low=0.2, epsilon_high=0.2, loss_type="bnpo")
+    assert loss.item() == pytest.approx(-(1.2 + 0.5) / 2)
+    assert stats["clip_ratio/high_mean"] == pytest.approx(0.5) and stats["clip_ratio/low_mean"] == 0.0
+    # clip-higher: eps_high = 0.6 lets 1.5 through
+    loss, _ = policy_loss(lp, old, adv, mask, epsilon_low=0.2, epsilon_high=0.6, loss_type="bnpo")
+    assert loss.item() == pytest.approx(-(1.5 + 0.5) / 2)
+    # negative advantage: ratio 0.5 clipped at 0.8 -> -min(-0.5, -0.8) = 0.8; ratio 1.5 -> 1.5
+    loss, stats = policy_loss(lp, old, -adv, mask, loss_type="bnpo")
+    assert loss.item() == pytest.approx((1.5 + 0.8) / 2)
+    assert stats["clip_ratio/low_mean"] == pytest.approx(0.5)
+
+
+def test_aggregations_and_padding_contributes_nothing():
+    lp = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.0, 0.0]], requires_grad=True)
+    old = lp.detach().clone()
+    adv = torch.tensor([1.0, -2.0])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    # at ratio 1, per-token loss is -A
+    grpo, _ = policy_loss(lp, old, adv, mask, loss_type="grpo")
+    assert grpo.item() == pytest.approx((-1.0 + 2.0) / 2)
+    bnpo, _ = policy_loss(lp, old, adv, mask, loss_type="bnpo")
+    assert bnpo.item() == pytest.approx((-3.0 + 2.0) / 4)
+    dapo, _ = policy_loss(lp, old, adv, mask, loss_type="dapo", num_items_in_batch=8)
+    assert dapo.item() == pytest.approx((-3.0 + 2.0) / 8)
+    dr, _ = policy_loss(lp, old, adv, mask, loss_type="dr_grpo", max_completion_length=5)
+    assert dr.item() == pytest.approx((-3.0 + 2.0) / 10)
+    bnpo.backward()
+    assert torch.equal(lp.grad[1, 1:], torch.zeros(2)), "masked (prompt/padding) tokens must get no gradient"
+    with pytest.raises(ValueError, match="loss_type"):
+        policy_loss(lp, old, adv, mask, loss_type="ppo")
+
+
+def test_kl_term_and_weights():
+    lp = torch.tensor([[0.0, -1.0]])
+    ref = torch.tensor([[-0.5, -1.0]])
+    kl = k3_kl(lp, ref)
+    assert kl[0, 0].item() == pytest.approx(math.exp(-0.5) + 0.5 - 1) and kl[0, 1].item() == 0.0
+    mask = torch.ones(1, 2)
+    loss, stats = policy_loss(lp, lp, torch.tensor([0.0]), mask, beta=0.1, ref_logprobs=ref, loss_type="bnpo")
+    assert loss.item() == pytest.approx(0.1 * kl.mean().item()) and stats["kl"] == pytest.approx(kl.mean().item())
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        policy_loss(lp, lp, torch.tensor([0.0]), mask, beta=0.1)
+    w = torch.tensor([[0.0, 1.0]])
+    loss, _ = policy_loss(lp, lp, torch.tensor([1.0]), mask, token_weights=w, loss_type="bnpo")
+    assert loss.item() == pytest.approx(-0.5)
+
+
+def test_rollout_correction():
+    old = torch.log(torch.tensor([[1.0, 3.0, 0.2, 1.0]]))
+    rollout = torch.zeros(1, 4)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    none, stats = rollout_correction_weights(old, rollout, mask, "none")
+    assert none is None and stats == {}
+    tis, stats = rollout_correction_weights(old, rollout, mask, "tis", 2.0)
+    assert torch.allclose(tis, torch.tensor([[1.0, 2.0, 0.2, 1.0]]))
+    assert stats["rollout_corr/tis_clipped_fraction"] == pytest.approx(1 / 3)
+    mis, stats = rollout_correction_weights(old, rollout, mask, "mis", 2.0)
+    assert torch.equal(mis, torch.tensor([[1.0, 0.0, 0.0, 1.0]]))
+    assert stats["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="must be > 1"):
+        rollout_correction_weights(old, rollout, mask, "tis", 0.5)
+
+
+def test_mismatch_metrics_by_hand():
+    lp_t = torch.log(torch.tensor([[0.5, 0.25, 0.9]]))
+    lp_r = torch.log(torch.tensor([[0.25, 0.25, 0.1]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    m = mismatch_metrics(lp_t, lp_r, mask)
+    assert set(m) == set(MISMATCH_KEYS)
+    d = math.log(2)  # lp_t - lp_r on token 0; 0 on token 1
+    assert m["rollout_corr/kl"] == pytest.approx(-d / 2)
+    assert m["rollout_corr/k3_kl"] == pytest.approx((math.exp(d) - 1 - d) / 2)
+    assert m["training/rollout_probs_diff_mean"] == pytest.approx(0.125)
+    assert m["training/rollout_probs_diff_max"] == pytest.approx(0.25)
+    assert m["token_mult_prob_error"] == pytest.approx((2 + 1) / 2)
+    assert m["rollout_corr/log_ppl_abs_diff"] == pytest.approx(d / 2)
+    same = mismatch_metrics(lp_t, lp_t, mask)
+    assert same["rollout_corr/kl"] == 0 and same["token_mult_prob_error"] == 1.0
