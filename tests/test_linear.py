@@ -97,11 +97,17 @@ def test_weight_quantized_once_per_version():
         with torch.no_grad(), precision_phase("rollout"):
             fp8(x)
     assert fp8.weight_cache.num_quantizations == 1
-    before = fp8.quantized_weight().codes.clone()
+    cached = fp8.quantized_weight()
+    before, address = cached.codes.clone(), cached.codes.data_ptr()
+    transposed = fp8.weight_cache.get_transposed(fp8.weight, get_recipe("jet").train.weight)
     opt.step()
     after = fp8.quantized_weight().codes
     assert fp8.weight_cache.num_quantizations == 2
     assert not torch.equal(before.view(torch.uint8), after.view(torch.uint8))
+    # written in place: a CUDA graph holding the old buffers reads the new version
+    assert fp8.quantized_weight() is cached and after.data_ptr() == address
+    new_t = fp8.weight_cache.get_transposed(fp8.weight, get_recipe("jet").train.weight)
+    assert new_t is transposed and torch.equal(new_t.codes.view(torch.uint8), after.t().contiguous().view(torch.uint8))
     refresh_weight_caches(fp8)  # eager refill after a step: quantizes again, same codes
     assert torch.equal(after.view(torch.uint8), fp8.quantized_weight().codes.view(torch.uint8))
 

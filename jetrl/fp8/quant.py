@@ -99,6 +99,10 @@ class Float8Blocks:
         """
         return Float8Blocks(self.codes.t().contiguous(), self.scales.t().contiguous(), self.block[::-1])
 
+    def t_layout(self) -> Float8Blocks:
+        """A view with the shapes of :meth:`t` (no copy); for layout comparisons."""
+        return Float8Blocks(self.codes.t(), self.scales.t(), self.block[::-1])
+
 
 def amax_to_scale(amax: torch.Tensor, pow2_scale: bool = False) -> torch.Tensor:
     """fp32 dequant scale from a per-block amax (see the module docstring); NaN if amax is not finite."""

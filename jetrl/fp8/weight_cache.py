@@ -14,6 +14,10 @@ to fill every cache eagerly (off the rollout's critical path).
 dgrad needs W^T. It is derived from the cached codes (:meth:`Float8Blocks.t`), never
 re-quantized from BF16, so fprop and dgrad use one set of weight codes.
 
+A new version is written *into the existing buffers* when the layout is unchanged, so every
+holder of the cached tensors (a CUDA graph the engine captured, above all) sees the new codes
+without a copy to it or a recapture.
+
 Weights are always quantized with ``check_finite=True``: a NaN/Inf weight raises a
 :class:`~jetrl.fp8.quant.NonFiniteError` naming the parameter instead of entering FP8.
 """
@@ -35,25 +39,38 @@ class WeightCache:
         self._key: tuple | None = None
         self._weight: Float8Blocks | None = None
         self._weight_t: Float8Blocks | None = None
+        self._transposed_stale = True
 
     def get(self, weight: torch.Tensor, spec: QuantSpec) -> Float8Blocks:
         """q(W) in ``spec``'s blocks, quantized only if ``weight`` changed since the last call."""
         key = self._key_of(weight, spec)
         if key != self._key:
             with torch.no_grad():
-                self._weight = quantize(
+                fresh = quantize(
                     weight.detach(), spec.block, pow2_scale=spec.pow2_scale, check_finite=True, name=self.name
                 )
-            self._weight_t = None
+            old = self._weight
+            if old is not None and _same_layout(old, fresh):
+                # In place: the buffers keep their addresses, so CUDA graphs captured by the
+                # engine read the new version with no recapture (zero weight sync).
+                old.codes.copy_(fresh.codes)
+                old.scales.copy_(fresh.scales)
+            else:
+                self._weight = fresh
+            self._transposed_stale = True
             self._key = key
             self.num_quantizations += 1
         return self._weight
 
     def get_transposed(self, weight: torch.Tensor, spec: QuantSpec) -> Float8Blocks:
-        """q(W)^T for dgrad, from the same codes as :meth:`get`."""
+        """q(W)^T for dgrad, from the same codes as :meth:`get` (never re-quantized)."""
         quantized = self.get(weight, spec)
-        if self._weight_t is None:
+        if self._weight_t is None or not _same_layout(self._weight_t, quantized.t_layout()):
             self._weight_t = quantized.t()
+        elif self._transposed_stale:
+            self._weight_t.codes.copy_(quantized.codes.t())
+            self._weight_t.scales.copy_(quantized.scales.t())
+        self._transposed_stale = False
         return self._weight_t
 
     def prime(self, weight: torch.Tensor, spec: QuantSpec, quantized: Float8Blocks) -> None:
@@ -111,4 +128,10 @@ class WeightCache:
         return (weight._version, weight.data_ptr(), weight.device, spec)
 
     def invalidate(self) -> None:
-        self._key = self._weight = self._weight_t = None
+        """Forget the version: the next read quantizes again (into the same buffers)."""
+        self._key = None
+
+
+def _same_layout(a: Float8Blocks, b: Float8Blocks) -> bool:
+    return (a.codes.shape == b.codes.shape and a.scales.shape == b.scales.shape and a.block == b.block
+            and a.codes.device == b.codes.device)

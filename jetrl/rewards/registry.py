@@ -11,6 +11,7 @@ is a list aligned with ``completions``.
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -33,10 +34,20 @@ class RewardError(RuntimeError):
 
 
 def get_reward_func(name: str) -> RewardFunc:
-    """The reward function registered as ``name``."""
+    """The reward function registered as ``name``, or imported from ``"package.module:function"``."""
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"reward function {name!r} cannot be imported ({e}); use 'package.module:function' "
+                             "with the package on PYTHONPATH") from None
+        if not callable(fn):
+            raise ValueError(f"reward function {name!r} is not callable")
+        return fn
     if name not in REWARD_FUNCS:
         raise ValueError(f"unknown reward function {name!r}: choose one of {', '.join(REWARD_FUNCS)}, "
-                         "or pass a callable fn(completions, **kwargs) -> list[float]")
+                         "import one as 'package.module:function', or pass a callable fn(completions, **kwargs)")
     return REWARD_FUNCS[name]
 
 

@@ -59,8 +59,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, tokenizer:
     name = f"step_{step:06d}"
     tmp = root / f"{name}.tmp-{os.getpid()}"
     save_pretrained(model, model.config, tmp, dtype=next(model.parameters()).dtype)
-    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(str(tmp))
+    if tokenizer is not None:  # jetrl's Tokenizer (.save) or an HF tokenizer (.save_pretrained)
+        (getattr(tokenizer, "save", None) or tokenizer.save_pretrained)(str(tmp))
     payload = {
         "step": step,
         "optimizer": optimizer.state_dict(),

@@ -1,0 +1,1 @@
+"""Runs: configs and presets, model sources, the training job, evaluation and generation."""

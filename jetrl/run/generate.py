@@ -1,0 +1,71 @@
+"""``jetrl generate``: completions from the rollout engine, for a prompt or a file of prompts.
+
+Prompts go through the tokenizer's chat template unless ``--raw``; a file holds one prompt per
+line, or jsonl records with a ``prompt`` (string or chat messages). Output is the completion
+text per prompt and sample, or with ``--logprobs`` one JSON object per completion holding the
+token ids and the per-token logprobs of the distribution actually sampled from.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from jetrl.data.records import to_messages
+from jetrl.engine import Engine, SamplingParams
+from jetrl.run.models import load_model
+
+
+def read_prompts(prompts: list[str] | None, prompts_file: str | None) -> list[Any]:
+    """Prompt strings (or message lists) from ``--prompt`` and ``--prompts-file``."""
+    out: list[Any] = list(prompts or [])
+    if prompts_file is not None:
+        path = Path(prompts_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"prompts file {path} does not exist")
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            if path.suffix == ".jsonl":
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+                if not isinstance(record, dict) or "prompt" not in record:
+                    raise ValueError(f"{path}:{number}: a jsonl prompt line needs a 'prompt' field")
+                out.append(record["prompt"])
+            else:
+                out.append(line)
+    if not out:
+        raise ValueError("no prompt given: pass --prompt TEXT (repeatable) or --prompts-file FILE")
+    return out
+
+
+def generate_main(model: str, prompts: list[Any], *, recipe: str = "jet", dtype: str = "float32", n: int = 1,
+                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, max_tokens: int = 128,
+                  seed: int = 0, stop: list[str] | None = None, raw: bool = False, logprobs: bool = False,
+                  device: str | None = None) -> list[list[Any]]:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    net, tokenizer, _ = load_model(model, dtype, recipe=recipe, device=device)
+    if raw:
+        prompt_ids = [tokenizer.encode(p if isinstance(p, str) else p[-1]["content"]) for p in prompts]
+    else:
+        prompt_ids = [tokenizer.apply_chat_template(to_messages(p)) for p in prompts]
+    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                            seed=seed, stop=tuple(stop or ()))
+    max_len = max(len(p) for p in prompt_ids) + max_tokens + 1
+    engine = Engine(net, tokenizer, max_slots=max(n, min(64, n * len(prompt_ids))), max_len=max_len)
+    groups = engine.generate(prompt_ids, params)
+    for i, group in enumerate(groups):
+        for j, completion in enumerate(group):
+            if logprobs:
+                print(json.dumps({"prompt_index": i, "sample_index": j, "text": completion.text,
+                                  "token_ids": completion.token_ids, "logprobs": completion.logprobs,
+                                  "finish_reason": completion.finish_reason}))
+            else:
+                header = f"[{i}]" if n == 1 else f"[{i}.{j}]"
+                print(f"{header} {completion.text}")
+    return groups

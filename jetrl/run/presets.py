@@ -1,0 +1,49 @@
+"""Named presets: Python functions that return a RunConfig. A variant edits its base.
+
+    default   what ``jetrl train`` runs with no arguments: the built-in tiny start on the synthetic
+              addition task, GRPO under ``jet``; <= 15 min on a 2-core CPU
+    tiny      the same, shorter (<= 3 min on CPU; any recipe): CI runs it for every recipe
+    smollm2   SmolLM2-135M-Instruct on a reasoning-gym task (chain_sum), CPU-sized
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from jetrl.rl.config import GRPOConfig
+from jetrl.run.config import EvalConfig, ModelConfig, RunConfig, TaskConfig
+
+
+def default() -> RunConfig:
+    grpo = GRPOConfig(max_steps=60, learning_rate=2e-4, num_generations=8, generation_batch_size=64,
+                      per_device_train_batch_size=64, gradient_accumulation_steps=1, max_prompt_length=64,
+                      max_completion_length=16, temperature=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28,
+                      loss_type="dapo", max_grad_norm=1.0, seed=0)
+    return RunConfig(preset="default", recipe="jet", save_steps=10, model=ModelConfig(name="tiny"),
+                     task=TaskConfig(source="synthetic", name="+", num_train=2000, num_eval=200, seed=0),
+                     grpo=grpo, eval=EvalConfig())
+
+
+def tiny() -> RunConfig:
+    cfg = default()
+    return replace(cfg, preset="tiny", save_steps=5, grpo=replace(cfg.grpo, max_steps=20),
+                   task=replace(cfg.task, num_eval=100))
+
+
+def smollm2() -> RunConfig:
+    grpo = GRPOConfig(max_steps=20, learning_rate=1e-6, num_generations=4, generation_batch_size=16,
+                      per_device_train_batch_size=4, gradient_accumulation_steps=4, max_prompt_length=256,
+                      max_completion_length=64, temperature=1.0, epsilon=0.2, epsilon_high=0.28, seed=0)
+    return RunConfig(preset="smollm2", recipe="jet", save_steps=5, model=ModelConfig(name="smollm2"),
+                     task=TaskConfig(source="reasoning_gym", name="chain_sum", num_train=400, num_eval=50, seed=0),
+                     grpo=grpo, eval=EvalConfig())
+
+
+PRESETS: dict[str, Callable[[], RunConfig]] = {"default": default, "tiny": tiny, "smollm2": smollm2}
+
+
+def get_preset(name: str) -> RunConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]()

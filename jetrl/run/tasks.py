@@ -1,0 +1,31 @@
+"""A run's data: (train, held-out) records from the task section of the config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jetrl.data import load_records, reasoning_gym_records, split_eval, synthetic_split
+from jetrl.data.datasets import DatasetError
+
+
+def load_task(task: Any) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) records for a :class:`jetrl.run.config.TaskConfig`; held-out never in train."""
+    if task.source == "synthetic":
+        return synthetic_split(task.num_train, task.num_eval, task.seed, ops=list(task.name))
+    if task.source == "reasoning_gym":
+        records = reasoning_gym_records(task.name, task.num_train + task.num_eval, task.seed)
+        if task.num_eval == 0:
+            return records, []
+        return split_eval(records, task.num_eval, task.seed)
+    records = load_records(task.path)
+    if not records:
+        raise DatasetError(f"dataset file {task.path} holds no records")
+    if task.eval_path:
+        eval_records = load_records(task.eval_path)
+        return records, eval_records[: task.num_eval] if task.num_eval else eval_records
+    if task.num_eval == 0:
+        return records, []
+    if task.num_eval >= len(records):
+        raise DatasetError(f"{task.path} has {len(records)} records; task.num_eval={task.num_eval} leaves none to "
+                           "train on: lower task.num_eval or give task.eval_path")
+    return split_eval(records, task.num_eval, task.seed)

@@ -1,0 +1,150 @@
+"""``jetrl train``: a whole run from a RunConfig: load, evaluate, GRPO, checkpoint, evaluate, summarize.
+
+The run directory holds ``config.yaml`` (the resolved config), ``metrics.jsonl`` (one line per RL
+step), ``tensorboard/``, ``checkpoints/step_N/`` (atomic, see rl/checkpoint.py) and
+``summary.json``. Stdout ends with a summary table and, as its very last line, one JSON object:
+
+    {"recipe", "steps", "eval_accuracy_initial", "eval_accuracy_final", "mismatch": {§6 metrics
+     averaged over the run's steps}, "wall_s", "run_dir", ...}
+
+``resume=True`` continues the run in ``run_dir`` from its latest checkpoint, with the config it
+was started with, and ends exactly where an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from jetrl.data import encode_prompts
+from jetrl.rewards import resolve_reward_funcs
+from jetrl.rl.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from jetrl.rl.logger import MetricsLogger
+from jetrl.rl.metrics import MISMATCH_KEYS
+from jetrl.rl.trainer import GRPOTrainer
+from jetrl.run.config import RunConfig, from_dict
+from jetrl.run.evaluate import evaluate
+from jetrl.run.models import load_model
+from jetrl.run.tasks import load_task
+
+
+def load_run_config(run_dir: str | Path) -> RunConfig:
+    """The config a run was started with (``RUN_DIR/config.yaml``)."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} holds no config.yaml: is it a jetrl run directory?")
+    return from_dict(RunConfig, yaml.safe_load(path.read_text()))
+
+
+def run_training(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
+    start = time.time()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.grpo.seed)
+    run_dir = Path(cfg.run_dir or f"runs/{cfg.preset}-{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
+    checkpoint = latest_checkpoint(run_dir) if resume else None
+    if resume and checkpoint is None:
+        raise FileNotFoundError(f"--resume: {run_dir} has no complete checkpoint to resume from")
+
+    # cheap checks first: data and reward names fail before a model is built or loaded
+    train_records, eval_records = load_task(cfg.task)
+    resolve_reward_funcs(cfg.task.reward_funcs)
+    model, tokenizer, source = load_model(cfg.model.name, cfg.model.dtype, recipe=cfg.recipe)
+    trainer = GRPOTrainer(model, cfg.task.reward_funcs, cfg.grpo, train_records, tokenizer=tokenizer,
+                          recipe=cfg.recipe, system_prompt=cfg.task.system_prompt)
+    eval_ids = encode_prompts(eval_records, tokenizer, system_prompt=cfg.task.system_prompt,
+                              max_prompt_length=cfg.grpo.max_prompt_length)
+    cfg.run_dir = str(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _atomic_text(run_dir / "config.yaml", cfg.to_yaml())
+    print(f"jetrl train: preset={cfg.preset} recipe={cfg.recipe} model={source} run_dir={run_dir}")
+    print(cfg.to_yaml().rstrip())
+    print(f"precision flow: {json.dumps(trainer.recipe.metadata())}; old logprobs: {trainer.old_logprobs_source}")
+
+    def held_out() -> float:
+        return evaluate(trainer.engine, eval_ids, eval_records, max_tokens=cfg.grpo.max_completion_length,
+                        num_samples=cfg.eval.num_samples, temperature=cfg.eval.temperature,
+                        seed=cfg.grpo.seed)["pass@1"] if eval_records else float("nan")
+
+    if checkpoint is not None:
+        state = load_trainer_state(checkpoint, model, trainer.optimizer)
+        trainer.load_state(state)
+        eval_initial = state["eval_accuracy_initial"]
+        print(f"resumed from {checkpoint} at step {trainer.step}")
+    else:
+        eval_initial = held_out()
+    print(f"held-out accuracy before training: {eval_initial:.3f} ({len(eval_records)} problems)")
+
+    logger = MetricsLogger(run_dir, total_steps=cfg.grpo.max_steps, resume_step=trainer.step,
+                           tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project, run_name=run_dir.name,
+                           config=cfg.to_dict(), progress=cfg.progress)
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.grpo.max_steps:
+            metrics["eval/accuracy"] = held_out()
+        logger.log(step, metrics)
+        if (cfg.save_steps and step % cfg.save_steps == 0) or step == cfg.grpo.max_steps:
+            save_checkpoint(run_dir, step, model, tokenizer, trainer.optimizer,
+                            {**trainer.state_dict(), "eval_accuracy_initial": eval_initial}, keep_last=cfg.keep_last)
+
+    try:
+        trainer.train(on_step)
+    finally:
+        logger.close()
+    eval_final = held_out()
+    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    result = {
+        "recipe": cfg.recipe,
+        "preset": cfg.preset,
+        "steps": trainer.step,
+        "eval_accuracy_initial": eval_initial,
+        "eval_accuracy_final": eval_final,
+        "mismatch": _run_mean(history, MISMATCH_KEYS),
+        "reward_first": history[0].get("reward") if history else None,
+        "reward_last": history[-1].get("reward") if history else None,
+        "on_policy": trainer.policy_report["on_policy"],
+        "old_logprobs": trainer.old_logprobs_source,
+        "nonfinite_steps": trainer.nonfinite_steps,
+        "wall_s": round(time.time() - start, 1),
+        "run_dir": str(run_dir),
+    }
+    _atomic_text(run_dir / "summary.json", json.dumps(result, indent=1))
+    _print_summary(result)
+    print(json.dumps(result))
+    return result
+
+
+def _run_mean(history: list[dict], keys: tuple[str, ...]) -> dict[str, float]:
+    out = {}
+    for key in keys:
+        values = [row[key] for row in history if isinstance(row.get(key), (int, float))]
+        if values:
+            out[key] = sum(values) / len(values)
+    return out
+
+
+def _print_summary(result: dict[str, Any]) -> None:
+    rows = [("recipe", result["recipe"]), ("steps", result["steps"]),
+            ("held-out accuracy", f"{result['eval_accuracy_initial']:.3f} -> {result['eval_accuracy_final']:.3f}"),
+            ("reward (first -> last step)", f"{result['reward_first']:.3f} -> {result['reward_last']:.3f}"
+             if result["reward_first"] is not None else "-"),
+            ("on-policy / old logprobs", f"{result['on_policy']} / {result['old_logprobs']}")]
+    rows += [(key, f"{value:.3e}") for key, value in result["mismatch"].items()]
+    rows += [("wall time", f"{result['wall_s']:.0f} s"), ("run dir", result["run_dir"])]
+    width = max(len(k) for k, _ in rows)
+    print("-" * (width + 30))
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    print("-" * (width + 30))
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

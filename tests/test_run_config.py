@@ -1,0 +1,70 @@
+"""Run configs: presets, YAML, dotted overrides, and one-line actionable errors."""
+
+import subprocess
+import sys
+
+import pytest
+
+from jetrl.rl.config import GRPOConfig
+from jetrl.run.config import RunConfig, resolve_config
+from jetrl.run.presets import PRESETS, get_preset
+
+
+def test_every_preset_builds_and_validates():
+    for name in PRESETS:
+        cfg = get_preset(name)
+        assert cfg.preset == name and resolve_config(cfg).to_dict() == cfg.to_dict()
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("recipe: bf16\ngrpo:\n  learning_rate: 3e-5\n  max_steps: 7\ntask:\n  num_eval: 10\n")
+    cfg = resolve_config(get_preset("tiny"), path, ["grpo.max_steps=9", "task.reward_funcs=[math, format]"])
+    assert cfg.recipe == "bf16" and cfg.grpo.learning_rate == 3e-5 and cfg.grpo.max_steps == 9
+    assert cfg.task.num_eval == 10 and cfg.task.reward_funcs == ["math", "format"]
+    assert resolve_config(RunConfig(), None, []).to_yaml() == RunConfig().to_yaml()
+
+
+@pytest.mark.parametrize(
+    "yaml_text, overrides, match",
+    [
+        ("grpo: [1, 2\n", [], "not valid YAML at line"),
+        ("grpo:\n  lr: 1\n", [], "unknown config key grpo.lr; valid keys here: max_steps"),
+        ("", ["grpo.max_steps=0"], "grpo.max_steps=0 must be an int >= 1"),
+        ("", ["grpo.max_steps=ten"], "grpo.max_steps='ten' has the wrong type"),
+        ("", ["recipe=fp4"], "recipe='fp4': choose one of"),
+        ("", ["grpo.generation_batch_size=30"], "multiple of grpo.num_generations"),
+        ("", ["task.source=file"], "task.source='file' needs task.path"),
+        ("", ["nokey"], "must look like section.key=value"),
+        ("- a\n- b\n", [], "must hold a mapping"),
+    ],
+)
+def test_invalid_config_is_one_actionable_error(tmp_path, yaml_text, overrides, match):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ValueError, match=match):
+        resolve_config(get_preset("tiny"), path, overrides)
+
+
+def test_unknown_preset_and_help():
+    with pytest.raises(ValueError, match="unknown preset 'huge'; choose one of default, tiny, smollm2"):
+        get_preset("huge")
+    assert GRPOConfig.field_help()["num_generations"].startswith("completions per prompt")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--preset", "huge"], "unknown preset 'huge'"),
+        (["train", "--recipe", "fp4"], "recipe='fp4'"),
+        (["train", "--config", "/nonexistent.yaml"], "config file /nonexistent.yaml does not exist"),
+        (["train", "--resume"], "--resume needs --run-dir"),
+        (["train", "task.source=file", "task.path=/no/such.jsonl"], "dataset file not found: /no/such.jsonl"),
+        (["generate", "--model", "/no/such/dir", "--prompt", "hi"], "neither 'tiny', 'smollm2' nor an existing"),
+    ],
+)
+def test_cli_errors_are_one_line(argv, message):
+    proc = subprocess.run([sys.executable, "-m", "jetrl", *argv], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

@@ -1,0 +1,156 @@
+"""GRPOTrainer and `jetrl train` on a random tiny model: updates, recipes, errors, exact resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import jetrl.rl.trainer as trainer_mod
+from jetrl.data import PromptTooLongError, synthetic_split
+from jetrl.models import save_pretrained
+from jetrl.models.llama import CausalLM
+from jetrl.models.tiny import build_tiny_tokenizer, tiny_model_config
+from jetrl.models.tokenizer import Tokenizer
+from jetrl.rewards import RewardError
+from jetrl.rl.config import GRPOConfig
+from jetrl.rl.metrics import MISMATCH_KEYS
+from jetrl.rl.trainer import GRPOTrainer, NonFiniteStepError
+
+ARGS = dict(learning_rate=1e-3, num_generations=4, generation_batch_size=16, per_device_train_batch_size=8,
+            gradient_accumulation_steps=2, max_prompt_length=64, max_completion_length=6)
+
+
+def length_reward(completions, **kwargs):
+    """A reward with variance on a random model: longer completions score higher."""
+    return [float(len(c)) for c in completions]
+
+
+def _trainer(recipe="jet", seed=0, **overrides):
+    torch.manual_seed(seed)
+    model = CausalLM(tiny_model_config())
+    train, _ = synthetic_split(64, 0, 0)
+    args = GRPOConfig(**{**ARGS, "max_steps": 2, **overrides})
+    return GRPOTrainer(model, [length_reward], args, train, tokenizer=Tokenizer(build_tiny_tokenizer()), recipe=recipe)
+
+
+def test_one_step_changes_parameters_and_logs_every_metric():
+    trainer = _trainer()
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    metrics = trainer.train_step()
+    changed = sum(not torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))
+    assert changed == len(before)
+    for key in (*MISMATCH_KEYS, "reward", "reward_std", "accuracy", "completions/mean_length", "entropy",
+                "grad_norm", "clip_ratio/region_mean", "time/rollout", "time/old_logprobs", "time/update"):
+        assert key in metrics, key
+    assert trainer.old_logprobs_source == "rollout" and metrics["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("recipe, source", [("bf16", "recompute"), ("fp8_rollout", "recompute"), ("jet", "rollout")])
+def test_old_logprobs_source_and_mismatch_per_recipe(recipe, source):
+    trainer = _trainer(recipe)
+    assert trainer.old_logprobs_source == source
+    metrics = trainer.train_step()
+    if recipe == "fp8_rollout":
+        assert metrics["token_mult_prob_error"] > 1.001  # the rollout samples from another graph
+    else:
+        assert metrics["token_mult_prob_error"] < 1.001
+    with pytest.raises(ValueError, match="needs an on-policy recipe"):
+        _trainer("fp8_rollout", old_logprobs="rollout")
+
+
+def test_nonfinite_step_is_skipped_or_stops(monkeypatch):
+    real = trainer_mod.policy_loss
+
+    def nan_loss(*args, **kwargs):
+        loss, stats = real(*args, **kwargs)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(trainer_mod, "policy_loss", nan_loss)
+    trainer = _trainer()
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    metrics = trainer.train_step()
+    assert metrics["nonfinite_steps"] == 1 and trainer.optimizer_steps == 0
+    assert all(torch.equal(b, p) for b, p in zip(before, trainer.model.parameters())), "a NaN step was applied"
+    stopping = _trainer(nonfinite_step="stop")
+    with pytest.raises(NonFiniteStepError, match="non-finite loss"):
+        stopping.train_step()
+
+
+def test_reward_function_that_raises_names_itself():
+    def broken(completions, **kwargs):
+        raise KeyError("gold")
+
+    torch.manual_seed(0)
+    train, _ = synthetic_split(16, 0, 0)
+    trainer = GRPOTrainer(CausalLM(tiny_model_config()), [broken], GRPOConfig(**{**ARGS, "max_steps": 1}), train,
+                          tokenizer=Tokenizer(build_tiny_tokenizer()))
+    with pytest.raises(RewardError, match="reward function 'broken' raised on sample 0: KeyError"):
+        trainer.train_step()
+
+
+def test_prompt_longer_than_context_fails_at_start():
+    with pytest.raises(PromptTooLongError, match="longer than max_prompt_length=8"):
+        _trainer(max_prompt_length=8)
+
+
+# ----------------------------------------------------------------------------- the CLI job
+@pytest.fixture(scope="module")
+def random_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("random_tiny")
+    torch.manual_seed(0)
+    save_pretrained(CausalLM(tiny_model_config()), tiny_model_config(), path, dtype=torch.float32)
+    build_tiny_tokenizer().save_pretrained(str(path))
+    return path
+
+
+def _job(ckpt, run_dir, *extra):
+    return [sys.executable, "-m", "jetrl", "train", "--preset", "tiny", "--run-dir", str(run_dir),
+            f"model.name={ckpt}", "task.num_train=64", "task.num_eval=8", "grpo.max_steps=6", "save_steps=2",
+            "grpo.generation_batch_size=16", "grpo.num_generations=4", "grpo.per_device_train_batch_size=8",
+            "grpo.gradient_accumulation_steps=2", "grpo.max_completion_length=6", "progress=false",
+            "tensorboard=false", "task.reward_funcs=['tests.test_trainer:length_reward']", *extra]
+
+
+def _final_state(run_dir):
+    from safetensors.torch import load_file
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+    return rows, load_file(run_dir / "checkpoints" / "step_000006" / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_kill_dash_9_then_resume_is_bitwise_identical(random_checkpoint, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    full = tmp_path / "full"
+    proc = subprocess.run(_job(random_checkpoint, full), capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["steps"] == 6 and result["run_dir"] == str(full)
+    assert set(result["mismatch"]) == set(MISMATCH_KEYS)
+
+    killed = tmp_path / "killed"
+    job = subprocess.Popen(_job(random_checkpoint, killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env=env)
+    deadline = time.time() + 300
+    while not (killed / "checkpoints" / "step_000004" / "trainer_state.pt").exists():
+        assert job.poll() is None and time.time() < deadline, "the run ended before it could be killed"
+        time.sleep(0.05)
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+    latest = killed / "checkpoints" / (killed / "checkpoints" / "latest").read_text()
+    assert (latest / "trainer_state.pt").exists() and (latest / "model.safetensors").exists()  # never half-written
+    resumed = subprocess.run([sys.executable, "-m", "jetrl", "train", "--run-dir", str(killed), "--resume"],
+                             capture_output=True, text=True, env=env, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    rows_full, weights_full = _final_state(full)
+    rows_resumed, weights_resumed = _final_state(killed)
+    assert rows_resumed == rows_full
+    assert weights_full.keys() == weights_resumed.keys()
+    assert all(torch.equal(weights_full[k], weights_resumed[k]) for k in weights_full)
