@@ -135,7 +135,14 @@ COMMANDS = {"train": _train, "eval": _eval, "generate": _generate, "export": _ex
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    # overrides may come anywhere on the line (argparse stops positionals at the first option)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     from jetrl.rewards import RewardError
     from jetrl.rl.trainer import NonFiniteStepError
 

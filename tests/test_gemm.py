@@ -44,6 +44,15 @@ def test_emulated_matches_independent_reference(m, n, k, b_block):
     assert out.shape == (m, n)
 
 
+def test_emulated_gemm_rows_do_not_depend_on_the_batch():
+    gen = torch.Generator().manual_seed(1)
+    a = quantize(torch.randn(64, 576, generator=gen))
+    b = quantize(torch.randn(1536, 576, generator=gen), (128, 128))
+    full = fp8_gemm(a, b, torch.float32)
+    rows = torch.cat([fp8_gemm(quantize(a.dequantize()[i:i + 1]), b, torch.float32) for i in range(64)])
+    assert torch.equal(full, rows)
+
+
 def test_dispatch_uses_emulation_on_cpu_and_override_is_scoped():
     assert resolve_backend("cpu") == "emulated"
     with override_backend("emulated"):

@@ -116,9 +116,9 @@ def test_single_quantizer_proof_train_rollout_export_bit_identical(monkeypatch, 
     calls: list[tuple[str, object, object]] = []
     real_gemm = linear_mod.fp8_gemm
 
-    def spy(a, b, out_dtype):
+    def spy(a, b, out_dtype, **kwargs):
         calls.append((a, b))
-        return real_gemm(a, b, out_dtype)
+        return real_gemm(a, b, out_dtype, **kwargs)
 
     monkeypatch.setattr(linear_mod, "fp8_gemm", spy)
     ids = torch.randint(0, 96, (2, 37))
@@ -158,3 +158,15 @@ def test_rollout_logits_equal_training_forward_logits_under_jet_but_not_fp8_roll
         gaps[name] = (train - rollout).abs().max().item()
     assert gaps["bf16"] == 0.0 and gaps["jet"] == 0.0
     assert gaps["fp8_rollout"] > 1e-3
+
+
+def test_jet_forward_is_batch_invariant_on_cpu():
+    """A sequence's FP8 logits do not depend on what it is batched with (fp64-accumulated emulated
+    GEMMs and fp64 attention on CPU), so rollout and trainer quantize the same activations."""
+    model = convert_to_float8(_tiny_model(seed=3), get_recipe("jet"))
+    torch.manual_seed(0)
+    batch = torch.randint(0, 96, (5, 29))
+    with torch.no_grad():
+        together = model(batch)
+        alone = torch.cat([model(batch[i:i + 1, :17]) for i in range(5)])
+    assert torch.equal(together[:, :17], alone)

@@ -68,3 +68,12 @@ def test_cli_errors_are_one_line(argv, message):
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_empty_dataset_file_is_one_line(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    proc = subprocess.run([sys.executable, "-m", "jetrl", "train", "task.source=file", f"task.path={empty}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and str(empty) in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

@@ -154,3 +154,22 @@ def test_kill_dash_9_then_resume_is_bitwise_identical(random_checkpoint, tmp_pat
     assert rows_resumed == rows_full
     assert weights_full.keys() == weights_resumed.keys()
     assert all(torch.equal(weights_full[k], weights_resumed[k]) for k in weights_full)
+
+
+def test_generate_and_eval_commands(random_checkpoint, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is 1 + 2?"}) + "\n" + json.dumps({"prompt": "What is 3 + 4?"}) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "jetrl", "generate", "--model", str(random_checkpoint),
+                           "--prompts-file", str(prompts), "--prompt", "What is 5 + 6?", "--n", "2",
+                           "--temperature", "1.0", "--max-tokens", "5", "--logprobs"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    assert len(lines) == 6 and {(x["prompt_index"], x["sample_index"]) for x in lines} == {(i, j) for i in range(3) for j in range(2)}
+    assert all(len(x["logprobs"]) == len(x["token_ids"]) and all(lp <= 0 for lp in x["logprobs"]) for x in lines)
+    proc = subprocess.run([sys.executable, "-m", "jetrl", "eval", "--preset", "tiny", "--model", str(random_checkpoint),
+                           "task.source=synthetic", "task.num_train=8", "task.num_eval=6", "grpo.max_completion_length=5",
+                           "--num-samples", "3", "--temperature", "1.0"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["num_problems"] == 6 and 0 <= result["pass@1"] <= result["pass@3"] <= 1

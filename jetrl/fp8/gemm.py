@@ -15,8 +15,9 @@ onto it as (design.md §4):
 Backends, resolved once per device type and overridable (``override_backend``, or the
 ``JETRL_GEMM_BACKEND`` environment variable):
 
-* ``emulated``: dequantize both operands to fp32 and matmul. Runs everywhere; it *is* the
-  specification the fast paths are tested against.
+* ``emulated``: dequantize both operands exactly and matmul with fp64 accumulation. Runs
+  everywhere; it *is* the specification the fast paths are tested against, and it is
+  batch-invariant (see :func:`gemm_emulated`).
 * ``scaled_mm``: ``torch.nn.functional.scaled_mm`` with BlockWise1x128 / BlockWise128x128
   scaling (cuBLAS, SM90+). Layouts measured on the H200 (design.md §3): ``a`` row-major,
   ``b`` passed as a column-major (K, N) view of the K-major codes; 1x128 scales (rows, K/128)
@@ -43,18 +44,34 @@ _override: str | None = None
 _resolved: dict[str, str] = {}
 
 
-def fp8_gemm(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """out[M, N] = deq(a) @ deq(b)^T for K-major block-FP8 operands (see module docstring)."""
+def fp8_gemm(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype = torch.bfloat16,
+             batch_invariant: bool = True) -> torch.Tensor:
+    """out[M, N] = deq(a) @ deq(b)^T for K-major block-FP8 operands (see module docstring).
+
+    ``batch_invariant`` (the emulation only): accumulate in fp64 so a row's result does not
+    depend on M. Forward GEMMs need it (their outputs are quantized again downstream, in the
+    rollout and in the trainer alike); gradient GEMMs do not, and run in fp32.
+    """
     _check_operands(a, b)
     backend = resolve_backend(a.codes.device)
     if backend == "scaled_mm":
         return _scaled_mm(a, b, out_dtype)
-    return gemm_emulated(a, b, out_dtype)
+    return gemm_emulated(a, b, out_dtype, torch.float64 if batch_invariant else torch.float32)
 
 
-def gemm_emulated(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The spec: dequantize to fp32 (exact) and multiply in fp32."""
-    return (a.dequantize(torch.float32) @ b.dequantize(torch.float32).t()).to(out_dtype)
+def gemm_emulated(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype = torch.bfloat16,
+                  accumulate: torch.dtype = torch.float64) -> torch.Tensor:
+    """The spec: dequantize (exact) and multiply, accumulating in ``accumulate``, rounded once to ``out_dtype``.
+
+    Each dequantized value has at most 4 + 24 significant bits, so every product is exact in
+    fp64 and the fp64 sum over K carries an error far below one fp32 ulp: the rounded result
+    is (but for near-ties) the correctly rounded exact dot product, whatever order the BLAS
+    sums in. That makes the CPU forward batch-invariant: a row's output does not depend on how
+    many other rows share the GEMM, so FP8 codes downstream do not flip between the engine's
+    decode (M = batch) and the trainer's forward (M = all tokens). Measured on SmolLM2 (CPU,
+    ``jet``): engine-vs-trainer logprob gaps fall from 0.1 nats mean (fp32) to 0 (fp64).
+    """
+    return (a.dequantize(accumulate) @ b.dequantize(accumulate).t()).to(out_dtype)
 
 
 def resolve_backend(device: torch.device | str) -> str:

@@ -58,13 +58,13 @@ class _Float8LinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dy_q = quantize(grad_y, spec.grad_output.block, pow2_scale=spec.grad_output.pow2_scale, name=f"{name}.grad_output")
             wt_q = ctx.cache.get_transposed(weight, spec.weight)  # (K, N)
-            grad_x = fp8_gemm(dy_q, wt_q, out_dtype=ctx.x_dtype)  # (M, K)
+            grad_x = fp8_gemm(dy_q, wt_q, out_dtype=ctx.x_dtype, batch_invariant=False)  # (M, K)
         if ctx.needs_input_grad[1]:
             if not saved:
                 raise RuntimeError(f"{name}: wgrad needs the FP8 input saved in forward; run forward with grad enabled")
             xt_q = Float8Blocks(saved[0], saved[1], spec.wgrad.block)
             dyt_q = quantize(grad_y.t(), spec.wgrad.block, pow2_scale=spec.wgrad.pow2_scale, name=f"{name}.grad_output_t")
-            grad_w = fp8_gemm(dyt_q, xt_q, out_dtype=torch.float32).to(weight.dtype)  # (N, K)
+            grad_w = fp8_gemm(dyt_q, xt_q, out_dtype=torch.float32, batch_invariant=False).to(weight.dtype)  # (N, K)
         return grad_x, grad_w, None, None, None, None
 
 

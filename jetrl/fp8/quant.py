@@ -85,7 +85,29 @@ class Float8Blocks:
         return self.codes.shape
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """codes * scale per block, computed in fp32 (exact: 4-bit mantissa times fp32 scale)."""
+        """codes * scale per block, computed in fp32 (exact: 4-bit mantissa times fp32 scale).
+
+        A cached weight (see :meth:`memoize`) keeps its dequantization, so the emulated GEMM
+        does not rebuild it on every decode step; the weight cache clears it on each new version.
+        """
+        memo = getattr(self, "_memo", None)
+        if memo is not None:
+            if dtype not in memo:
+                memo[dtype] = self._dequantize(dtype)
+            return memo[dtype]
+        return self._dequantize(dtype)
+
+    def memoize(self) -> Float8Blocks:
+        """Keep the dequantization after its first use (for weights read many times per version)."""
+        object.__setattr__(self, "_memo", {})
+        return self
+
+    def forget(self) -> None:
+        """Drop a memoized dequantization (the codes changed in place)."""
+        if getattr(self, "_memo", None):
+            self._memo.clear()
+
+    def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         rows, cols = self.codes.shape
         br, bc = self.block
         scale = self.scales.repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]

@@ -55,8 +55,9 @@ class WeightCache:
                 # engine read the new version with no recapture (zero weight sync).
                 old.codes.copy_(fresh.codes)
                 old.scales.copy_(fresh.scales)
+                old.forget()
             else:
-                self._weight = fresh
+                self._weight = fresh.memoize() if fresh.codes.device.type == "cpu" else fresh
             self._transposed_stale = True
             self._key = key
             self.num_quantizations += 1
@@ -66,10 +67,11 @@ class WeightCache:
         """q(W)^T for dgrad, from the same codes as :meth:`get` (never re-quantized)."""
         quantized = self.get(weight, spec)
         if self._weight_t is None or not _same_layout(self._weight_t, quantized.t_layout()):
-            self._weight_t = quantized.t()
+            self._weight_t = quantized.t().memoize() if quantized.codes.device.type == "cpu" else quantized.t()
         elif self._transposed_stale:
             self._weight_t.codes.copy_(quantized.codes.t())
             self._weight_t.scales.copy_(quantized.scales.t())
+            self._weight_t.forget()
         self._transposed_stale = False
         return self._weight_t
 
@@ -119,7 +121,7 @@ class WeightCache:
                 f"{self.name}: the recipe uses power-of-two scales but the given scales are not powers of two; "
                 "load with the recipe the checkpoint was exported with"
             )
-        self._weight = quantized
+        self._weight = quantized.memoize() if quantized.codes.device.type == "cpu" else quantized
         self._weight_t = None
         self._key = self._key_of(weight, spec)
 

@@ -153,6 +153,12 @@ class Attention(nn.Module):
         ``mask`` is a boolean (B|1, 1, T, S) "may attend" mask, or None meaning plain causal
         attention with q and k aligned (S == T), or full attention when T == 1.
         """
+        if q.device.type == "cpu" and q.dtype == torch.float32:
+            # CPU fp32: attend in fp64 and round back. SDPA's CPU kernels are not batch-invariant
+            # (the same row differs by ~1e-7 between a padded batch and a single sequence), and
+            # FP8 activation quantization downstream turns such ulps into whole-code flips; fp64
+            # makes the rounded fp32 result independent of the kernel's summation order.
+            return self._attend(q.double(), k.double(), v.double(), mask).float()
         B, H, T, D = q.shape
         if T == 1 and self.num_kv_heads != H:
             # Decode: fold the G = H / Hkv query heads of each kv head into the query-length axis,

@@ -21,19 +21,34 @@ tokens only. The SFT model therefore
   while temperature-1 samples are right about ``p`` of the time.
 
 GRPO with the math reward then only has to move probability mass from S + 10 to S on the
-one token where the two answers differ; it never needs to learn addition. That is a large,
+token where the two answers differ; it never needs to learn addition. That is a large,
 reliable, measurable rise that RL causes (a GRPO group of 8 samples holds a right answer
-with probability 1 - 0.7^8 ~ 94%, so nearly every group has a learning signal).
+with probability 1 - 0.7^8 ~ 94%, so nearly every group has a learning signal). Under greedy
+eval the start scores ~0%; a problem flips once the correct token where the answers diverge
+passes 50%. RL must draw its train and eval records from :func:`tiny_task_split` (or a subset).
 
-Training detail: each example follows one of the two answers (drawn with probability p), but
-at the one position where they differ the target is the demonstration distribution itself,
-``p`` on the correct token and ``1 - p`` on the mistaken one (the expected cross-entropy under
-the demonstrations), so the learned split is calibrated at far less gradient noise. Problems
-are augmented with their swaps (a + b -> b + a): the swap of a train problem is a train
-problem, as ``synthetic_split`` puts both orientations of a problem on the same side.
+Training: a 2-layer Llama (hidden 128, 4 heads of 32, 2 kv heads, SwiGLU 384, tied
+embeddings, vocab 102 padded to 112: ~0.4M parameters), fp32, AdamW (lr 3e-3, betas 0.9/0.98,
+wd 0.01), 30 warmup steps then cosine to 5%, grad clip 1, 600 steps of 256 problems. Each
+example follows one of the two answers (drawn with probability p), but at the one position
+where they differ the target is the demonstration distribution itself (``p`` on the correct
+token, ``1 - p`` on the mistaken one: the expected cross-entropy under the demonstrations), so
+the learned split is calibrated at less gradient noise. Problems are augmented with their swaps
+(a + b -> b + a): ``synthetic_split`` puts both orientations of a problem on the same side.
 
-Measured (2 shared CPU cores, seed 0, defaults; held-out = the first 200 problems of the
-held-out split; fp32 weights): see ``MEASURED`` below, filled in from ``evaluate_tiny``.
+Measured (defaults; held-out = the first 200 problems of the held-out split):
+
+* time: ``tiny_start_checkpoint()`` from a cold cache takes 2 min 21 s wall on this project's
+  2-core CPU box (131 s SFT at ~0.2 s/step, ~7 s of held-out eval), 2 min 08 s pinned to 2
+  cores of a Xeon; other load on the cores stretches it (3-8 min seen under contention).
+* seed 0 on CPU: greedy accuracy 0.0% (200/200 greedy answers are S + 10); temperature-1
+  accuracy 28.4% (8 samples per problem), S + 10 70.1%, so 98.4% of samples are one of the
+  two; 99.9% well-formed. Loaded in bf16 or converted to FP8 (``jet``): greedy 0.0%, sampled
+  29%; the rollout engine agrees (greedy 0.0%, sampled 26.6%).
+* across 8 seeds (GPU numerics): greedy 0-10.5%, sampled 25-32%, in {S, S + 10} 85-99%,
+  well-formed >= 99.6%. With 500 steps some seeds had not finished learning to add (greedy
+  12-15%, only 73-84% of samples in {S, S + 10}); lr >= 4e-3 got stuck on a plateau; a third
+  layer did not help per step; p = 0.2 learns as cleanly but gives GRPO fewer right samples.
 """
 
 from __future__ import annotations
@@ -47,7 +62,7 @@ import string
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -175,10 +190,9 @@ class TinySFTConfig:
     weight_decay: float = 0.01
     num_hidden_layers: int = 2
     intermediate_size: int = 384
-    num_threads: int | None = None  # torch threads during the build (restored after); None: leave as is
+    num_threads: int | None = None  # torch threads for the build (restored after); None: auto (_ThreadTuner)
     eval_problems: int = 200  # held-out problems measured after the build (stored in tiny_start.json)
     eval_samples: int = 8  # temperature-1 samples per problem for the sampled accuracy
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.p_correct <= 1.0:
@@ -189,78 +203,79 @@ class TinySFTConfig:
             raise ValueError(f"steps={self.steps} and batch_size={self.batch_size} must be >= 1")
 
 
-def _encode_examples(tok: Any, records: Sequence[Record]) -> list[tuple[list[int], int, int, int, int]]:
-    """Per problem: (prompt ids, a, b) -- answers are rendered per step."""
-    raise NotImplementedError
-
-
 class _SFTData:
-    """Token tensors of (problem, answer) examples: prompt ids + answer ids + EOS, loss on the answer."""
+    """Every (train problem, answer) example pre-tokenized; ``batch`` draws a batch of them.
+
+    An example is prompt ids + answer ids + EOS, with loss on the answer tokens (and EOS) only.
+    Both variants of each problem (following the correct or the mistaken answer) are built once,
+    as rows of equal length ``T`` (right padding, never attended to by a real token).
+    """
 
     def __init__(self, tok: Any, records: Sequence[Record], cfg: TinySFTConfig) -> None:
-        self.tok, self.cfg = tok, cfg
-        self.eos = tok.eos_token_id
-        self.pad = tok.pad_token_id
+        self.p = cfg.p_correct
+        eos, pad = tok.eos_token_id, tok.pad_token_id
         problems = []
         for r in records:
             a, b = _operands(r)
             problems.append((a, b))
             if a != b:
                 problems.append((b, a))  # the swap is a train problem too (module docstring)
-        self.problems = problems
-
-    def _prompt(self, a: int, b: int) -> list[int]:
-        text = self.tok.apply_chat_template([{"role": "user", "content": f"What is {a} + {b}?"}], tokenize=False,
-                                            add_generation_prompt=True)
-        return self.tok.encode(text, add_special_tokens=False)
-
-    def batch(self, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """input ids (B, T), targets (B, T), alternative targets (B, T), weight of the alternative (B, T).
-
-        A position's loss is ``(1 - w) * CE(target) + w * CE(alt)``; ``target = -100`` ignores it.
-        """
-        cfg = self.cfg
-        rows = []
-        for a, b in (rng.choice(self.problems) for _ in range(cfg.batch_size)):
-            s = a + b
-            right = self.tok.encode(answer_text(s), add_special_tokens=False) + [self.eos]
-            wrong = self.tok.encode(answer_text(s + cfg.mistake_offset), add_special_tokens=False) + [self.eos]
-            correct = rng.random() < cfg.p_correct
-            follow, other = (right, wrong) if correct else (wrong, right)
-            d = next(i for i, (x, y) in enumerate(zip(follow, other)) if x != y)  # first differing position
-            prompt = self._prompt(a, b)
-            ids = prompt + follow
-            tgt = [-100] * (len(prompt) - 1) + follow + [-100]
-            alt = list(tgt)
-            w = [0.0] * len(ids)
-            pos = len(prompt) - 1 + d  # input position whose next token is the differing one
-            alt[pos] = other[d]
-            w[pos] = 1.0 - cfg.p_correct if correct else cfg.p_correct
-            # target gets (1 - w): the followed answer's probability; alt gets the other's.
-            rows.append((ids, tgt, alt, w))
+        # The template is plain concatenation: render it once around a sentinel (9k renders take seconds).
+        head, sentinel, tail = tok.apply_chat_template([{"role": "user", "content": "\x00"}], tokenize=False,
+                                                       add_generation_prompt=True).partition("\x00")
+        assert sentinel, "the chat template dropped the user message"
+        rows: list[tuple[list[int], list[int], list[int], list[float]]] = []
+        for a, b in problems:
+            prompt = tok.encode(f"{head}What is {a} + {b}?{tail}", add_special_tokens=False)
+            right = tok.encode(answer_text(a + b), add_special_tokens=False) + [eos]
+            wrong = tok.encode(answer_text(a + b + cfg.mistake_offset), add_special_tokens=False) + [eos]
+            d = next(i for i, (x, y) in enumerate(zip(right, wrong)) if x != y)  # first differing token
+            pos = len(prompt) - 1 + d  # the input position that predicts it
+            for follow, other, w_other in ((wrong, right, cfg.p_correct), (right, wrong, 1.0 - cfg.p_correct)):
+                tgt = [-100] * (len(prompt) - 1) + follow
+                alt = list(tgt)
+                alt[pos] = other[d]
+                w = [0.0] * len(tgt)
+                w[pos] = w_other  # (1 - w) on the followed answer's token, w on the other's
+                rows.append((prompt + follow[:-1], tgt, alt, w))
         T = max(len(r[0]) for r in rows)
-        ids = torch.full((len(rows), T), self.pad, dtype=torch.int64)
-        tgt = torch.full((len(rows), T), -100, dtype=torch.int64)
-        alt = torch.full((len(rows), T), -100, dtype=torch.int64)
-        wt = torch.zeros(len(rows), T)
+        n = len(rows)
+        self.ids = torch.full((n, T), pad, dtype=torch.int64)
+        self.tgt = torch.full((n, T), -100, dtype=torch.int64)
+        self.alt = torch.full((n, T), -100, dtype=torch.int64)
+        self.w = torch.zeros(n, T)
         for i, (x, t, al, w) in enumerate(rows):
-            n = len(x)
-            ids[i, :n], tgt[i, :n], alt[i, :n], wt[i, :n] = (torch.tensor(x), torch.tensor(t[:n]),
-                                                             torch.tensor(al[:n]), torch.tensor(w))
-        return ids, tgt, alt, wt
+            k = len(x)
+            self.ids[i, :k], self.tgt[i, :k] = torch.tensor(x), torch.tensor(t)
+            self.alt[i, :k], self.w[i, :k] = torch.tensor(al), torch.tensor(w)
+        self.num_problems = len(problems)
+
+    def batch(self, rng: random.Random, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``size`` examples: problems uniformly, the correct answer followed with probability p.
+
+        Returns input ids, targets, alternative targets and the alternative's weight, each (B, T).
+        """
+        idx = []
+        for _ in range(size):
+            i = rng.randrange(self.num_problems)
+            idx.append(2 * i + (rng.random() < self.p))
+        sel = torch.tensor(idx)
+        return self.ids[sel], self.tgt[sel], self.alt[sel], self.w[sel]
 
 
-def _sft_loss(logits: torch.Tensor, tgt: torch.Tensor, alt: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    logp = F.log_softmax(logits.float(), dim=-1)
+def _sft_loss(model: CausalLM, ids: torch.Tensor, tgt: torch.Tensor, alt: torch.Tensor,
+              w: torch.Tensor) -> torch.Tensor:
+    """Mean over answer tokens of ``(1 - w) * CE(target) + w * CE(alt)`` (logits only where needed)."""
     mask = tgt != -100
-    nll_t = -logp.gather(-1, tgt.clamp(min=0)[..., None])[..., 0]
-    nll_a = -logp.gather(-1, alt.clamp(min=0)[..., None])[..., 0]
-    per_tok = (1.0 - w) * nll_t + w * nll_a
-    return (per_tok * mask).sum() / mask.sum()
+    logp = F.log_softmax(model.logits_from_hidden(model.hidden_states(ids)[mask]).float(), dim=-1)
+    w = w[mask]
+    nll_t = -logp.gather(-1, tgt[mask][:, None])[:, 0]
+    nll_a = -logp.gather(-1, alt[mask][:, None])[:, 0]
+    return ((1.0 - w) * nll_t + w * nll_a).mean()
 
 
 def train_tiny_start(out_dir: str | Path, *, seed: int = 0, sft: TinySFTConfig | None = None,
-                     log_every: int = 0) -> dict[str, Any]:
+                     log_every: int = 0, device: str | torch.device = "cpu") -> dict[str, Any]:
     """SFT the tiny start from scratch and save it (weights fp32, tokenizer, ``tiny_start.json``) to ``out_dir``.
 
     Deterministic given ``seed`` on one machine (same torch build and thread count). Returns the
@@ -270,50 +285,20 @@ def train_tiny_start(out_dir: str | Path, *, seed: int = 0, sft: TinySFTConfig |
     out_dir = Path(out_dir)
     t0 = time.perf_counter()
     prev_threads = torch.get_num_threads()
-    try:
-        if cfg.num_threads is not None:
-            torch.set_num_threads(cfg.num_threads)
-        tok = build_tiny_tokenizer()
-        mcfg = tiny_model_config(len(tok), num_hidden_layers=cfg.num_hidden_layers,
-                                 intermediate_size=cfg.intermediate_size)
-        train, held_out = tiny_task_split()
-        torch.manual_seed(seed)
-        model = CausalLM(mcfg).float()
-        data = _SFTData(tok, train, cfg)
-        rng = random.Random(seed)
-        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                 {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
-
-        def lr_at(step: int) -> float:
-            if step < cfg.warmup_steps:
-                return cfg.lr * (step + 1) / cfg.warmup_steps
-            frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-            return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
-
-        model.train()
-        for step in range(cfg.steps):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step)
-            ids, tgt, alt, w = data.batch(rng)
-            loss = _sft_loss(model(ids), tgt, alt, w)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            if log_every and (step % log_every == 0 or step == cfg.steps - 1):
-                print(f"  sft step {step:5d} loss {loss.item():.4f} ({time.perf_counter() - t0:.0f}s)", flush=True)
-        train_s = time.perf_counter() - t0
-        model.eval()
-        evals = held_out[: cfg.eval_problems]
-        greedy = evaluate_tiny(model, tok, evals, temperature=0.0, mistake_offset=cfg.mistake_offset)
-        sampled = evaluate_tiny(model, tok, evals, temperature=1.0, samples=cfg.eval_samples, seed=seed,
-                                mistake_offset=cfg.mistake_offset)
-    finally:
-        torch.set_num_threads(prev_threads)
+    # fork_rng: the build seeds torch's global RNG; the caller's RNG state is restored afterwards.
+    with torch.random.fork_rng(devices=[]):
+        try:
+            model, tok, mcfg, train, held_out, train_s, thread_steps = _sft(cfg, seed, log_every, device, t0)
+            model.eval()
+            evals = held_out[: cfg.eval_problems]
+            greedy = evaluate_tiny(model, tok, evals, temperature=0.0, mistake_offset=cfg.mistake_offset)
+            sampled = evaluate_tiny(model, tok, evals, temperature=1.0, samples=cfg.eval_samples, seed=seed,
+                                    mistake_offset=cfg.mistake_offset)
+        finally:
+            if torch.get_num_threads() != prev_threads:
+                torch.set_num_threads(prev_threads)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_pretrained(model, mcfg, out_dir, dtype=torch.float32)
+    save_pretrained(model.cpu(), mcfg, out_dir, dtype=torch.float32)
     tok.save_pretrained(str(out_dir))
     meta = {
         "kind": TINY_KIND,
@@ -322,54 +307,149 @@ def train_tiny_start(out_dir: str | Path, *, seed: int = 0, sft: TinySFTConfig |
         "sft": asdict(cfg),
         "split": {"seed": SPLIT_SEED, "num_train": len(train), "num_eval": len(held_out)},
         "train_s": round(train_s, 1),
+        "sft_steps_per_thread_count": {str(k): v for k, v in sorted(thread_steps.items())},
         "held_out_problems": len(evals),
         "greedy": greedy,
         "sampled": sampled,
     }
     (out_dir / META_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    for f in out_dir.iterdir():
+        f.chmod(0o644)  # safetensors writes 0600; a shared cache must be readable
     return meta
 
 
-# ---------------------------------------------------------------------------------------------- eval
-@torch.no_grad()
-def generate_tiny(model: CausalLM, tok: Any, prompts: Sequence[str], *, temperature: float = 0.0, samples: int = 1,
-                  seed: int = 0, max_new_tokens: int = 16) -> list[list[str]]:
-    """``samples`` completions per user prompt (text before EOS; '' if none), by repeated full forwards.
+class _ThreadTuner:
+    """Runs the SFT steps with whichever is faster now: the process's torch thread count or 1 thread.
 
-    Prompts of equal token length run as one batch (no padding); a row keeps decoding after its
-    EOS and its tail is cut. Deterministic given ``seed``. For evaluation of small models only.
+    Why: on a 2-core box that other processes also load, two OpenMP threads spin at every
+    barrier while one of them waits for a core; we measured 3.0 s per step with 2 threads
+    against 0.39 s with 1 (and 0.23 s vs 0.37 s on idle cores). Every ``every`` steps (and
+    when a step takes over 3x the last best), one real training step is timed under each
+    candidate and the faster one is kept. The thread count did not change a single bit of
+    the trained weights on the CPU builds we checked (GEMMs split rows, not the reduction),
+    so tuning does not cost reproducibility there; ``TinySFTConfig.num_threads`` pins it.
     """
-    eos = tok.eos_token_id
+
+    def __init__(self, fixed: int | None, every: int = 100) -> None:
+        n = torch.get_num_threads()
+        self.candidates = [fixed] if fixed is not None else ([n, 1] if n > 1 else [n])
+        self.every, self.current = every, self.candidates[0]
+        self.queue: list[int] = []
+        self.times: dict[int, float] = {}
+        self.best: float | None = None
+        self.slow = False
+        self.steps_at: dict[int, int] = {}
+
+    def before(self, step: int) -> None:
+        if len(self.candidates) > 1 and not self.queue and step > 0 and (step % self.every == 1 or self.slow):
+            self.queue, self.times, self.slow = list(self.candidates), {}, False
+        threads = self.queue[0] if self.queue else self.current
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        self.steps_at[threads] = self.steps_at.get(threads, 0) + 1
+
+    def after(self, seconds: float) -> None:
+        if self.queue:
+            self.times[self.queue.pop(0)] = seconds
+            if not self.queue:
+                self.current = min(self.times, key=self.times.__getitem__)
+                self.best = self.times[self.current]
+        elif self.best is not None and seconds > 3 * self.best:
+            self.slow = True
+
+
+def _sft(cfg: TinySFTConfig, seed: int, log_every: int, device: str | torch.device,
+         t0: float) -> tuple[CausalLM, Any, ModelConfig, list[Record], list[Record], float, dict[int, int]]:
+    """The SFT loop: AdamW, linear warmup then cosine decay to 5% of ``lr``, grad clip 1, fp32."""
+    tok = build_tiny_tokenizer()
+    mcfg = tiny_model_config(len(tok), num_hidden_layers=cfg.num_hidden_layers,
+                             intermediate_size=cfg.intermediate_size)
+    train, held_out = tiny_task_split()
+    torch.manual_seed(seed)
+    model = CausalLM(mcfg).float().to(device)
+    data = _SFTData(tok, train, cfg)
+    rng = random.Random(seed)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
+
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return cfg.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    model.train()
+    tuner = _ThreadTuner(cfg.num_threads if str(device) == "cpu" else torch.get_num_threads())
+    for step in range(cfg.steps):
+        tuner.before(step)
+        t_step = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        ids, tgt, alt, w = (t.to(device) for t in data.batch(rng, cfg.batch_size))
+        loss = _sft_loss(model, ids, tgt, alt, w)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        tuner.after(time.perf_counter() - t_step)
+        if log_every and (step % log_every == 0 or step == cfg.steps - 1):
+            print(f"  sft step {step:5d} loss {loss.item():.4f} ({time.perf_counter() - t0:.0f}s, "
+                  f"steps per thread count {tuner.steps_at})", flush=True)
+    return model, tok, mcfg, train, held_out, time.perf_counter() - t0, tuner.steps_at
+
+
+# ---------------------------------------------------------------------------------------------- eval
+def generate_tiny(model: CausalLM, tok: Any, prompts: Sequence[str | Sequence[dict[str, str]]], *,
+                  temperature: float = 0.0, samples: int = 1, seed: int = 0,
+                  max_new_tokens: int = 16) -> list[list[str]]:
+    """``samples`` completions per prompt (a user message or a list of chat messages): the text before EOS.
+
+    Plain repeated full forwards (no KV cache): prompts of equal token length run as one batch,
+    so no padding is needed; a row keeps decoding after its EOS and its tail is cut. Greedy at
+    ``temperature=0``; otherwise deterministic given ``seed``. For evaluating small models.
+    ``tok`` is a :class:`jetrl.models.Tokenizer` or a transformers tokenizer.
+    """
+    return _generate(model, tok, prompts, temperature, samples, seed, max_new_tokens)[0]
+
+
+@torch.no_grad()
+def _generate(model: CausalLM, tok: Any, prompts: Sequence[str | Sequence[dict[str, str]]], temperature: float,
+              samples: int, seed: int, max_new_tokens: int) -> tuple[list[list[str]], list[list[bool]]]:
+    hf = getattr(tok, "hf", tok)  # a jetrl Tokenizer wraps the transformers one
+    eos = hf.eos_token_id
     gen = torch.Generator().manual_seed(seed)
-    encoded = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                  add_generation_prompt=True), add_special_tokens=False)
-               for p in prompts]
+    encoded = []
+    for p in prompts:
+        messages = [{"role": "user", "content": p}] if isinstance(p, str) else [dict(m) for m in p]
+        text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        encoded.append(hf.encode(text, add_special_tokens=False))
     by_len: dict[int, list[int]] = {}
     for i, ids in enumerate(encoded):
         by_len.setdefault(len(ids), []).append(i)
-    out: list[list[str]] = [[] for _ in prompts]
-    dtype = next(model.parameters()).dtype
-    del dtype
+    texts: list[list[str]] = [[] for _ in prompts]
+    finished: list[list[bool]] = [[] for _ in prompts]
+    device = next(model.parameters()).device
     for _, idx in sorted(by_len.items()):
-        rows = [encoded[i] for i in idx for _ in range(samples)]
-        x = torch.tensor(rows, dtype=torch.int64)
+        x = torch.tensor([encoded[i] for i in idx for _ in range(samples)], dtype=torch.int64, device=device)
         start = x.shape[1]
         for _ in range(max_new_tokens):
             logits = model(x)[:, -1].float()
             if temperature == 0:
                 nxt = logits.argmax(-1)
             else:
-                nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)[:, 0]
+                probs = torch.softmax(logits / temperature, -1).cpu()
+                nxt = torch.multinomial(probs, 1, generator=gen)[:, 0].to(device)
             x = torch.cat([x, nxt[:, None]], dim=1)
-            if bool(((x[:, start:] == eos).any(-1)).all()):
+            if bool((x[:, start:] == eos).any(-1).all()):
                 break
         for r, row in enumerate(x[:, start:].tolist()):
-            if eos in row:
-                text = tok.decode(row[: row.index(eos)], skip_special_tokens=False)
-            else:
-                text = tok.decode(row, skip_special_tokens=False) + "<no-eos>"
-            out[idx[r // samples]].append(text)
-    return out
+            done = eos in row
+            texts[idx[r // samples]].append(hf.decode(row[: row.index(eos)] if done else row,
+                                                      skip_special_tokens=False))
+            finished[idx[r // samples]].append(done)
+    return texts, finished
 
 
 def evaluate_tiny(model: CausalLM, tok: Any, records: Sequence[Record], *, temperature: float = 0.0,
@@ -377,10 +457,11 @@ def evaluate_tiny(model: CausalLM, tok: Any, records: Sequence[Record], *, tempe
                   max_new_tokens: int = 16) -> dict[str, float]:
     r"""Held-out metrics of ``model`` on addition ``records``.
 
-    accuracy:    fraction of completions the math reward scores 1 (``jetrl.rewards.is_equivalent``
-                 on the extracted answer);
-    mistake:     fraction answering exactly ``sum + mistake_offset`` in the well-formed format;
-    well_formed: fraction that are exactly ``\boxed{<integer>}`` followed by EOS.
+    accuracy:    fraction of completions that ``jetrl.rewards.math_reward`` scores 1;
+    mistake:     fraction of well-formed completions answering exactly ``sum + mistake_offset``;
+    well_formed: fraction that are exactly ``\boxed{<integer>}`` followed by EOS;
+    n:           number of completions (``len(records) * samples``).
+    Greedy at ``temperature=0`` (then use ``samples=1``), else ``samples`` draws per problem.
     """
     import re
 
@@ -389,8 +470,8 @@ def evaluate_tiny(model: CausalLM, tok: Any, records: Sequence[Record], *, tempe
     was_training = model.training
     model.eval()
     try:
-        completions = generate_tiny(model, tok, [r["prompt"][-1]["content"] for r in records],
-                                    temperature=temperature, samples=samples, seed=seed, max_new_tokens=max_new_tokens)
+        completions, finished = _generate(model, tok, [r["prompt"] for r in records], temperature, samples, seed,
+                                          max_new_tokens)
     finally:
         model.train(was_training)
     flat = [c for cs in completions for c in cs]
@@ -398,9 +479,9 @@ def evaluate_tiny(model: CausalLM, tok: Any, records: Sequence[Record], *, tempe
     rewards = math_reward(flat, ground_truth=golds)
     form = re.compile(r"\\boxed\{(-?\d+)\}")
     well, mistake = 0, 0
-    for c, g in zip(flat, golds):
+    for c, done, g in zip(flat, (f for fs in finished for f in fs), golds):
         m = form.fullmatch(c)
-        if m:
+        if m and done:
             well += 1
             mistake += int(m.group(1)) == int(g) + mistake_offset
     n = max(1, len(flat))
@@ -441,6 +522,17 @@ def _is_complete(path: Path, seed: int, sft: TinySFTConfig) -> bool:
         TINY_KIND, TINY_VERSION, seed, json.loads(json.dumps(asdict(sft))))
 
 
+def _remove_stale_builds(final: Path, max_age_s: float = 3600.0) -> None:
+    """Delete temporary build dirs of ``final`` left by killed builds (older than any real build)."""
+    now = time.time()
+    for stale in final.parent.glob(f".{final.name}.*-*"):
+        try:
+            if stale.is_dir() and now - stale.stat().st_mtime > max_age_s:
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            pass
+
+
 def tiny_start_checkpoint(cache_dir: str | Path | None = None, *, seed: int = 0, force: bool = False,
                           sft: TinySFTConfig | None = None) -> Path:
     """The HF-format checkpoint dir of the SFT'd tiny start, built on first use and cached.
@@ -456,17 +548,22 @@ def tiny_start_checkpoint(cache_dir: str | Path | None = None, *, seed: int = 0,
     if not force and _is_complete(final, seed, cfg):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    print(f"jetrl: building the tiny start policy (SFT of a {cfg.num_hidden_layers}-layer adder, seed {seed}) "
-          f"into {final} ...", end=" ", flush=True)
+    _remove_stale_builds(final)
+    print(f"jetrl: building the tiny start policy (SFT on synthetic addition, seed {seed}; ~2-3 min on 2 CPU "
+          f"cores) into {final} ...", end=" ", flush=True)
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
     try:
-        meta = train_tiny_start(tmp, seed=seed, sft=cfg)
-        if final.exists():
-            if force or not _is_complete(final, seed, cfg):
-                trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
-                os.replace(final, trash / "old")
-                shutil.rmtree(trash, ignore_errors=True)
+        try:
+            meta = train_tiny_start(tmp, seed=seed, sft=cfg)
+        except BaseException:
+            print("failed", flush=True)
+            raise
+        if final.exists() and (force or not _is_complete(final, seed, cfg)):
+            trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+            os.replace(final, trash / "old")
+            shutil.rmtree(trash, ignore_errors=True)
         try:
             os.replace(tmp, final)
         except OSError:

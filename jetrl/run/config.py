@@ -41,7 +41,8 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class TaskConfig:
-    source: str = _f("synthetic", "'synthetic' (built-in arithmetic), 'reasoning_gym' or 'file' (jsonl/parquet)")
+    source: str = _f("synthetic", "'tiny_adder' (the tiny start's own split), 'synthetic' (arithmetic), "
+                                  "'reasoning_gym' or 'file' (jsonl/parquet)")
     name: str = _f("+", "synthetic: operators like '+' or '+*'; reasoning_gym: the task name, e.g. 'chain_sum'")
     path: str | None = _f(None, "file: training data (jsonl or parquet; verl format or plain)")
     eval_path: str | None = _f(None, "file: held-out data; None splits num_eval records off the training file")
@@ -52,8 +53,8 @@ class TaskConfig:
     reward_funcs: list[str] = _f(["math"], "reward functions by name (jetrl.rewards.REWARD_FUNCS)")
 
     def __post_init__(self) -> None:
-        if self.source not in ("synthetic", "reasoning_gym", "file"):
-            raise ValueError(f"task.source={self.source!r} must be 'synthetic', 'reasoning_gym' or 'file'")
+        if self.source not in ("tiny_adder", "synthetic", "reasoning_gym", "file"):
+            raise ValueError(f"task.source={self.source!r} must be 'tiny_adder', 'synthetic', 'reasoning_gym' or 'file'")
         if self.source == "file" and not self.path:
             raise ValueError("task.source='file' needs task.path=<jsonl or parquet file>")
         if self.num_train < 1 or self.num_eval < 0:
@@ -86,6 +87,7 @@ class RunConfig:
     wandb_project: str | None = _f(None, "log to this W&B project (needs wandb)")
     progress: bool = _f(True, "progress line with ETA on stderr")
     threads: int | None = _f(None, "torch CPU threads (None: torch's default)")
+    device: str = _f("auto", "'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:N]'")
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)

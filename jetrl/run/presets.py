@@ -21,7 +21,7 @@ def default() -> RunConfig:
                       max_completion_length=16, temperature=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28,
                       loss_type="dapo", max_grad_norm=1.0, seed=0)
     return RunConfig(preset="default", recipe="jet", save_steps=10, model=ModelConfig(name="tiny"),
-                     task=TaskConfig(source="synthetic", name="+", num_train=2000, num_eval=200, seed=0),
+                     task=TaskConfig(source="tiny_adder", name="+", num_train=4550, num_eval=200, seed=0),
                      grpo=grpo, eval=EvalConfig())
 
 

@@ -10,6 +10,13 @@ from jetrl.data.datasets import DatasetError
 
 def load_task(task: Any) -> tuple[list[dict], list[dict]]:
     """(train, held-out) records for a :class:`jetrl.run.config.TaskConfig`; held-out never in train."""
+    if task.source == "tiny_adder":  # the split the built-in tiny start was SFT'd on (its held-out part is unseen)
+        from jetrl.models.tiny import tiny_task_split
+
+        train, held_out = tiny_task_split()
+        if task.num_eval > len(held_out):
+            raise ValueError(f"task.num_eval={task.num_eval}: the tiny_adder task holds out {len(held_out)} problems")
+        return train[: task.num_train], held_out[: task.num_eval]
     if task.source == "synthetic":
         return synthetic_split(task.num_train, task.num_eval, task.seed, ops=list(task.name))
     if task.source == "reasoning_gym":

@@ -55,7 +55,8 @@ def run_training(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     # cheap checks first: data and reward names fail before a model is built or loaded
     train_records, eval_records = load_task(cfg.task)
     resolve_reward_funcs(cfg.task.reward_funcs)
-    model, tokenizer, source = load_model(cfg.model.name, cfg.model.dtype, recipe=cfg.recipe)
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer, source = load_model(cfg.model.name, cfg.model.dtype, recipe=cfg.recipe, device=device)
     trainer = GRPOTrainer(model, cfg.task.reward_funcs, cfg.grpo, train_records, tokenizer=tokenizer,
                           recipe=cfg.recipe, system_prompt=cfg.task.system_prompt)
     eval_ids = encode_prompts(eval_records, tokenizer, system_prompt=cfg.task.system_prompt,
@@ -63,7 +64,7 @@ def run_training(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     cfg.run_dir = str(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     _atomic_text(run_dir / "config.yaml", cfg.to_yaml())
-    print(f"jetrl train: preset={cfg.preset} recipe={cfg.recipe} model={source} run_dir={run_dir}")
+    print(f"jetrl train: preset={cfg.preset} recipe={cfg.recipe} model={source} device={device} run_dir={run_dir}")
     print(cfg.to_yaml().rstrip())
     print(f"precision flow: {json.dumps(trainer.recipe.metadata())}; old logprobs: {trainer.old_logprobs_source}")
 

@@ -1,0 +1,53 @@
+"""`jetrl train --preset tiny --recipe X` for every recipe, on the built-in tiny start (CI runs it).
+
+Margins, from the runs in docs/benchmarks.md ("Embedded default and tiny preset"):
+* learning: held-out greedy accuracy rises by >= 30 points under bf16 and jet (measured about
+  +80 points), and by >= 20 points under the off-policy fp8_rollout;
+* mismatch: jet's rollout-vs-trainer k3 KL is no larger than bf16's + 1e-6 and its token
+  multiplicative probability error no larger than bf16's + 1e-4 (both at rounding level on
+  CPU, where the FP8 forward is batch-invariant); fp8_rollout's k3 KL is >= 1e-5 and >= 100x
+  jet's: the rollout samples from another graph.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jetrl.rl.metrics import MISMATCH_KEYS
+
+RECIPES = ("bf16", "fp8_rollout", "jet")
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+    results = {}
+    for recipe in RECIPES:
+        run_dir = tmp_path_factory.mktemp(f"tiny_{recipe}")
+        proc = subprocess.run([sys.executable, "-m", "jetrl", "train", "--preset", "tiny", "--recipe", recipe,
+                               "--run-dir", str(run_dir), "progress=false"],
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[recipe] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return results
+
+
+@pytest.mark.slow
+def test_tiny_preset_json_line_and_learning(tiny_runs):
+    for recipe, result in tiny_runs.items():
+        for key in ("recipe", "steps", "eval_accuracy_initial", "eval_accuracy_final", "mismatch", "wall_s", "run_dir"):
+            assert key in result, (recipe, key)
+        assert result["recipe"] == recipe and set(result["mismatch"]) == set(MISMATCH_KEYS)
+        assert result["wall_s"] < 180, f"{recipe}: the tiny preset must finish within 3 minutes"
+        gain = result["eval_accuracy_final"] - result["eval_accuracy_initial"]
+        assert gain >= (0.2 if recipe == "fp8_rollout" else 0.3), (recipe, result)
+
+
+@pytest.mark.slow
+def test_tiny_preset_mismatch_ordering(tiny_runs):
+    bf16, off, jet = (tiny_runs[r]["mismatch"] for r in RECIPES)  # RECIPES order: bf16, fp8_rollout, jet
+    assert jet["rollout_corr/k3_kl"] <= bf16["rollout_corr/k3_kl"] + 1e-6
+    assert jet["token_mult_prob_error"] <= bf16["token_mult_prob_error"] + 1e-4
+    assert off["rollout_corr/k3_kl"] >= max(1e-5, 100 * jet["rollout_corr/k3_kl"])
+    assert tiny_runs["jet"]["on_policy"] and not tiny_runs["fp8_rollout"]["on_policy"]
