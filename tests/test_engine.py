@@ -132,12 +132,12 @@ def test_engine_logprobs_match_trainer_per_recipe(capsys):
 
     fp32 master weights: the ``bf16`` recipe then computes every linear in fp32, so its gap
     is pure fp32 rounding (<= TRAINER_ATOL), and any larger gap is due to FP8 alone. Expected:
-    * ``jet``: the rollout runs the trainer's FP8 forward on the same cached weight codes, so
-      most tokens match like ``bf16`` (median gap ~0). The tail is real: the rollout and
-      trainer differ by fp32 rounding (different shapes), and when that moves an activation
-      across an E4M3 rounding boundary (or moves a 1x128 group's amax) a code changes by one
-      FP8 step (6 %), and that K/V stays in the cache for the rest of the sequence. Bitwise
-      equality needs batch-invariant kernels (the planned ``exact`` recipe).
+    * ``jet``: the rollout runs the trainer's FP8 forward on the same cached weight codes. On
+      CPU that forward is batch-invariant (fp64-accumulated emulated GEMMs, fp64 attention), so
+      the engine's decode and the trainer's full forward quantize identical activations and
+      the gap is within fp32 rounding, like ``bf16`` (measured: exactly 0). Before that, fp32
+      rounding differences between shapes moved activations across E4M3 rounding boundaries
+      (one FP8 step, 6 %) and left a tail up to 1e-2 (this seed was chosen to show it).
     * ``fp8_rollout``: every linear differs (FP8 rollout vs fp32 trainer), so every token is off.
     """
     cfg = ModelConfig(
@@ -187,8 +187,7 @@ def test_engine_logprobs_match_trainer_per_recipe(capsys):
             )
         print()
     assert gaps["bf16"]["max"] <= TRAINER_ATOL
-    assert gaps["jet"]["median"] <= TRAINER_ATOL and gaps["jet"]["frac_exactish"] >= 0.8
-    assert gaps["jet"]["mean"] <= 1e-3
+    assert gaps["jet"]["max"] <= TRAINER_ATOL
     assert gaps["fp8_rollout"]["median"] >= 1e-3 and gaps["fp8_rollout"]["frac_exactish"] <= 0.05
     assert gaps["fp8_rollout"]["mean"] >= 10 * gaps["jet"]["mean"]
     assert gaps["fp8_rollout"]["median"] >= 100 * max(gaps["jet"]["median"], TRAINER_ATOL)

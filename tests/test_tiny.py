@@ -2,9 +2,10 @@
 config, the SFT data, the atomic cache, and (slow) a real build with its held-out accuracies.
 
 Bounds of the slow test, from measurements (module docstring of jetrl.models.tiny): seed 0
-gives greedy 0-0.5%, sampled 28-31%; 8 seeds gave greedy <= 10.5%, sampled 25-32%, >= 85% of
-samples in {S, S + 10}. The test allows greedy <= 15%, sampled in [18%, 42%] (p = 0.3 plus or
-minus sampling noise and seed spread), >= 80% of samples in {S, S + 10}, >= 95% well-formed.
+gave greedy 0-3% and sampled 28-32% in three builds; 8 seeds gave greedy <= 10.5%, sampled
+25-32%, >= 85% of samples in {S, S + 10}. The test allows greedy <= 15%, sampled in [18%, 42%]
+(p = 0.3 plus sampling noise and seed spread), >= 80% of samples in {S, S + 10}, >= 95%
+well-formed.
 """
 
 import dataclasses
@@ -63,9 +64,12 @@ def test_chat_template_prompt(tok):
         "<|user|>What is 23 + 58?<|end|><|assistant|>"
     )
     full = messages + [{"role": "assistant", "content": "\\boxed{81}"}]
-    assert tok.apply_chat_template(full, tokenize=False) == "<|user|>What is 23 + 58?<|end|><|assistant|>\\boxed{81}<|end|>"
+    assert tok.apply_chat_template(full, tokenize=False) == (
+        "<|user|>What is 23 + 58?<|end|><|assistant|>\\boxed{81}<|end|>"
+    )
     system = [{"role": "system", "content": "Add."}, *messages]
-    assert tok.apply_chat_template(system, tokenize=False, add_generation_prompt=True).startswith("<|system|>Add.<|end|>")
+    prompt = tok.apply_chat_template(system, tokenize=False, add_generation_prompt=True)
+    assert prompt == "<|system|>Add.<|end|><|user|>What is 23 + 58?<|end|><|assistant|>"
     with pytest.raises(Exception, match="roles"):
         tok.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
 
@@ -74,7 +78,8 @@ def test_tokenizer_saves_and_loads_offline(tok, tmp_path):
     tok.save_pretrained(str(tmp_path))
     loaded = load_tokenizer(tmp_path)
     assert loaded.chat_template == CHAT_TEMPLATE
-    assert loaded.chat_prompt([{"role": "user", "content": "What is 1 + 2?"}]) == "<|user|>What is 1 + 2?<|end|><|assistant|>"
+    prompt = loaded.chat_prompt([{"role": "user", "content": "What is 1 + 2?"}])
+    assert prompt == "<|user|>What is 1 + 2?<|end|><|assistant|>"
     for text in TEXTS:
         assert loaded.encode(text) == tok.encode(text, add_special_tokens=False)
         assert loaded.decode(loaded.encode(text)) == text
@@ -108,6 +113,7 @@ def test_split_is_disjoint_up_to_swaps():
 
     assert not {key(r) for r in train} & {key(r) for r in held_out}
     assert tiny_task_split() == (train, held_out)
+    assert tiny_task_split(200)[1] == held_out[:200]  # a smaller eval set is a prefix
 
 
 def test_sft_examples_put_the_loss_on_the_answer_only(tok):

@@ -36,19 +36,26 @@ token, ``1 - p`` on the mistaken one: the expected cross-entropy under the demon
 the learned split is calibrated at less gradient noise. Problems are augmented with their swaps
 (a + b -> b + a): ``synthetic_split`` puts both orientations of a problem on the same side.
 
-Measured (defaults; held-out = the first 200 problems of the held-out split):
+Measured (defaults, seed 0; held-out = the first 200 problems of the held-out split):
 
-* time: ``tiny_start_checkpoint()`` from a cold cache takes 2 min 21 s wall on this project's
-  2-core CPU box (131 s SFT at ~0.2 s/step, ~7 s of held-out eval), 2 min 08 s pinned to 2
-  cores of a Xeon; other load on the cores stretches it (3-8 min seen under contention).
-* seed 0 on CPU: greedy accuracy 0.0% (200/200 greedy answers are S + 10); temperature-1
-  accuracy 28.4% (8 samples per problem), S + 10 70.1%, so 98.4% of samples are one of the
-  two; 99.9% well-formed. Loaded in bf16 or converted to FP8 (``jet``): greedy 0.0%, sampled
-  29%; the rollout engine agrees (greedy 0.0%, sampled 26.6%).
+* time: ``tiny_start_checkpoint()`` from a cold cache takes 2 min 19 s wall on 2 idle Xeon
+  cores (133 s build: 128 s SFT at ~0.21 s/step, ~5 s eval) and 2 min 21 s on this project's
+  2-core box when idle; 4.4-4.6 min when other processes load the 2 cores (load ~3), which
+  is why the SFT times one step with 1 thread against 2 and keeps the faster (see
+  ``_ThreadTuner``: under load 2 OpenMP threads took 3.0 s/step against 0.39 s for 1).
+  A cached call returns in milliseconds.
+* accuracy (three builds: this box idle / this box loaded / the Xeon; the CPU attention code
+  changed in between, so the bits differ): greedy 0.0% / 1.0% / 3.0% (the other greedy
+  answers are all S + 10); temperature 1, 8 samples per problem: right 28.4% / 31.5% / 31.9%,
+  S + 10 70.1% / 65.8% / 65.8% (so 97-98% of samples are one of the two), well-formed
+  99.9% in all. Loaded in bf16 or converted to FP8 (``jet``): greedy 0.0%, sampled 29%; the
+  rollout engine agrees (greedy 0.0%, sampled 26.6%).
 * across 8 seeds (GPU numerics): greedy 0-10.5%, sampled 25-32%, in {S, S + 10} 85-99%,
   well-formed >= 99.6%. With 500 steps some seeds had not finished learning to add (greedy
   12-15%, only 73-84% of samples in {S, S + 10}); lr >= 4e-3 got stuck on a plateau; a third
   layer did not help per step; p = 0.2 learns as cleanly but gives GRPO fewer right samples.
+* determinism: the same seed gives bitwise the same weights on one machine and torch build,
+  with 1 or 2 threads (checked over all 600 steps); other CPUs or torch versions differ.
 """
 
 from __future__ import annotations
@@ -158,8 +165,9 @@ def tiny_task_split(num_eval: int = NUM_EVAL) -> tuple[list[Record], list[Record
     """(train, held-out) addition records, operands 0..99: the split the tiny start was SFT'd on.
 
     All 5050 distinct problems (a problem and its swap count once) are used: ``5050 - num_eval``
-    for training, ``num_eval`` held out. SFT used ``num_eval=NUM_EVAL``; RL must use the same (or
-    evaluate only on held-out records of it), or its eval set would hold SFT training problems.
+    for training, ``num_eval`` held out. SFT used ``num_eval=NUM_EVAL``. A smaller ``num_eval`` gives
+    a prefix of that held-out set (the split is one fixed permutation), so RL may evaluate on
+    ``tiny_task_split(200)[1]``; a larger one would hold problems the start was trained on.
     """
     total = 100 * 101 // 2
     return synthetic_split(total - num_eval, num_eval, SPLIT_SEED, ops=("+",), min_operand=0, max_operand=99)
