@@ -52,8 +52,6 @@ def test_synthetic_errors():
 
 @pytest.mark.parametrize("task", ["gsm_symbolic", "basic_arithmetic", "chain_sum"])
 def test_reasoning_gym_records_agree_with_math_reward(task):
-    pytest.importorskip("reasoning_gym")
-    pytest.importorskip("math_verify")
     from jetrl.rewards import compute_rewards
     from jetrl.rewards.rg import score_fn
 
@@ -107,8 +105,8 @@ def test_verl_format_jsonl(tmp_path):
 
 
 def test_parquet_round_trip_and_verl(tmp_path):
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     records = synthetic_split(4, 0, seed=0)[0]
     records[1] = {**records[1], "metadata": {"a": 1, "nested": {"b": [1, 2]}}}
     save_records(records, tmp_path / "r.parquet")
@@ -130,8 +128,6 @@ def test_parquet_round_trip_and_verl(tmp_path):
     ("bad.parquet", "not parquet", r"bad\.parquet: cannot read parquet"),
 ])
 def test_dataset_errors(tmp_path, name, content, match):
-    if name.endswith(".parquet"):
-        pytest.importorskip("pyarrow")
     (tmp_path / name).write_text(content)
     with pytest.raises(DatasetError, match=match):
         load_records(tmp_path / name)
@@ -140,7 +136,7 @@ def test_dataset_errors(tmp_path, name, content, match):
 def test_missing_and_empty_parquet(tmp_path):
     with pytest.raises(DatasetError, match="dataset file not found: .*nope.jsonl"):
         load_records(tmp_path / "nope.jsonl")
-    pa = pytest.importorskip("pyarrow")
+    import pyarrow as pa
     import pyarrow.parquet as pq
     pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "answer": pa.array([], pa.string())}),
                    tmp_path / "empty.parquet")
@@ -171,7 +167,6 @@ def test_split_eval():
 @pytest.fixture(scope="module")
 def byte_tokenizer():
     """A 256-token byte-level tokenizer with a tiny chat template, built offline."""
-    pytest.importorskip("transformers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

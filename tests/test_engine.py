@@ -126,6 +126,11 @@ def test_greedy_with_cache_and_continuous_batching_equals_full_forward(arch, syn
     assert engine.stats.num_prefill_forwards >= 2  # more groups than slots: admission mid-run
 
 
+
+# 256-wide (full FP8 blocks), 2 layers: the model of the engine-vs-trainer logprob tests
+LOGPROB_CONFIG = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2)
+
 # ----------------------------------------------------------------------------- 2. engine vs trainer
 def test_engine_logprobs_match_trainer_per_recipe(capsys):
     """Same sampled tokens, logprobs from the engine (rollout phase, KV cache) vs one trainer forward.
@@ -140,14 +145,7 @@ def test_engine_logprobs_match_trainer_per_recipe(capsys):
       (one FP8 step, 6 %) and left a tail up to 1e-2 (this seed was chosen to show it).
     * ``fp8_rollout``: every linear differs (FP8 rollout vs fp32 trainer), so every token is off.
     """
-    cfg = ModelConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    cfg = LOGPROB_CONFIG
     torch.manual_seed(1)  # a seed with a few FP8 code flips in jet (seed 0 has none): an honest tail
     base = CausalLM(cfg)
     prompts = random_prompts([5, 17, 33, 9], seed=1, vocab=512)
@@ -480,14 +478,7 @@ def test_cuda_graph_decode_matches_eager_and_full_forward(dtype):
 
 @requires_cuda
 def test_cuda_engine_logprobs_match_trainer_per_recipe(capsys):
-    cfg = ModelConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    cfg = LOGPROB_CONFIG
     torch.manual_seed(1)
     base = CausalLM(cfg).to("cuda", torch.bfloat16)
     prompts = random_prompts([5, 17, 33, 9], seed=1, vocab=512)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402 (a core dependency)
 
 from jetrl.cli import main  # noqa: E402
 from jetrl.fp8 import float8_modules, get_recipe, precision_phase, quantize, record_quantization  # noqa: E402

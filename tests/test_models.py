@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402 (a core dependency)
 
 from jetrl.models import CausalLM, ModelConfig, load_pretrained, save_pretrained  # noqa: E402
 from jetrl.models.loader import CheckpointError  # noqa: E402

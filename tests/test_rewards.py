@@ -7,7 +7,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-pytest.importorskip("math_verify")
 
 from jetrl.rewards import (
     RewardError,

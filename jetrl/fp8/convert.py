@@ -65,10 +65,12 @@ def check_model_precision(model: nn.Module, recipe: Recipe) -> None:
 
 
 def refresh_weight_caches(model: nn.Module) -> int:
-    """Quantize every FP8 weight now (call after ``optimizer.step()``); returns how many layers."""
+    """Quantize every changed FP8 weight now (call after ``optimizer.step()``); returns how many layers.
+
+    A weight whose version did not change is not quantized again: the cache is keyed by version.
+    """
     modules = float8_modules(model)
     with torch.no_grad():
         for module in modules.values():
-            module.weight_cache.invalidate()
             module.quantized_weight()
     return len(modules)
