@@ -60,7 +60,17 @@ def test_dispatch_uses_emulation_on_cpu_and_override_is_scoped():
     with pytest.raises(ValueError, match="unknown FP8 GEMM backend"):
         with override_backend("cutlass"):
             pass
-    assert set(BACKENDS) == {"emulated", "scaled_mm"}
+    assert set(BACKENDS) == {"emulated", "scaled_mm", "triton"}
+
+
+def test_per_shape_choice_is_a_fixed_rule():
+    from jetrl.fp8.gemm import SMALL_M_MAX, choose_backend
+
+    for m in (1, 16, SMALL_M_MAX):
+        assert choose_backend(m, 4096, 4096) == "triton"
+    assert choose_backend(SMALL_M_MAX + 1, 4096, 4096) == "scaled_mm"
+    assert choose_backend(8192, 4096, 4096) == "scaled_mm"
+    assert choose_backend(16, 4096, 8192, (1, 128)) == "scaled_mm"  # wgrad operands: cuBLAS only
 
 
 def test_env_var_must_name_a_backend(monkeypatch):

@@ -12,8 +12,8 @@ onto it as (design.md §4):
     dgrad  dX[M,K] = dY[M,N]  . W^T[K,N]^T   a = q(dY, 1x128)     b = q(W, 128x128).t()
     wgrad  dW[N,K] = dY^T[N,M] . X^T[K,M]^T  a = q(dY^T, 1x128)   b = q(X^T, 1x128)
 
-Backends, resolved once per device type and overridable (``override_backend``, or the
-``JETRL_GEMM_BACKEND`` environment variable):
+Backends, chosen per device and, on an SM90 GPU, per shape (:func:`choose_backend`), and
+overridable (``override_backend``, or the ``JETRL_GEMM_BACKEND`` environment variable):
 
 * ``emulated``: dequantize both operands exactly and matmul with fp64 accumulation. Runs
   everywhere; it *is* the specification the fast paths are tested against, and it is
@@ -26,6 +26,14 @@ Backends, resolved once per device type and overridable (``override_backend``, o
   zero-padded: zero codes add nothing.
   It accumulates in the tensor cores' reduced-precision fp32, so it agrees with the
   emulation to about 2e-3 relative, not bitwise.
+* ``triton``: the small-M split-K kernel (kernels/gemm_triton.py) for decode-sized GEMMs
+  against a 128x128-block weight, where cuBLAS's fixed per-call cost dominates.
+
+Per-shape dispatch on SM90 (:func:`choose_backend`) is a fixed rule of (M, N, K) -- never a
+timing taken at run time -- so a given shape always runs the same kernel with the same
+summation order and results are reproducible. The thresholds come from ``jetrl bench``
+section (c) on an H200 (docs/benchmarks.md). BF16 is not a candidate: a BF16 GEMM would
+not compute the quantized graph, and the rollout would leave the trainer's precision flow.
 """
 
 from __future__ import annotations
@@ -39,7 +47,8 @@ import torch.nn.functional as F
 
 from jetrl.fp8.quant import BLOCK, Float8Blocks
 
-BACKENDS = ("emulated", "scaled_mm")
+BACKENDS = ("emulated", "scaled_mm", "triton")
+SMALL_M_MAX = 64  # rows up to which the Triton small-M kernel beats cuBLAS block FP8 (bench section c)
 _override: str | None = None
 _resolved: dict[str, str] = {}
 
@@ -54,9 +63,22 @@ def fp8_gemm(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype = torch.bf
     """
     _check_operands(a, b)
     backend = resolve_backend(a.codes.device)
-    if backend == "scaled_mm":
+    if backend == "auto":
+        backend = choose_backend(a.shape[0], b.shape[0], a.shape[1], b.block)
+    if backend == "triton" and b.block == (BLOCK, BLOCK):
+        from jetrl.fp8.kernels.gemm_triton import gemm_small_m
+
+        return gemm_small_m(a.codes, a.scales, b.codes, b.scales, out_dtype)
+    if backend in ("scaled_mm", "triton"):  # the Triton kernel takes 128x128-block weights only
         return _scaled_mm(a, b, out_dtype)
     return gemm_emulated(a, b, out_dtype, torch.float64 if batch_invariant else torch.float32)
+
+
+def choose_backend(m: int, n: int, k: int, b_block: tuple[int, int] = (BLOCK, BLOCK)) -> str:
+    """The SM90 kernel for an (m, n, k) GEMM: a fixed rule of the shape (see module docstring)."""
+    if b_block == (BLOCK, BLOCK) and m <= SMALL_M_MAX:
+        return "triton"
+    return "scaled_mm"
 
 
 def gemm_emulated(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype = torch.bfloat16,
@@ -75,7 +97,10 @@ def gemm_emulated(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype = tor
 
 
 def resolve_backend(device: torch.device | str) -> str:
-    """The backend for ``device``: the override if set, else chosen once per device type."""
+    """The backend for ``device``: the override if set, else chosen once per device.
+
+    ``"auto"`` (SM90 with Triton) means :func:`choose_backend` picks per shape.
+    """
     if _override is not None:
         return _override
     device = torch.device(device)
@@ -84,7 +109,11 @@ def resolve_backend(device: torch.device | str) -> str:
         env = os.environ.get("JETRL_GEMM_BACKEND")
         if env is not None and env not in BACKENDS:
             raise ValueError(f"JETRL_GEMM_BACKEND={env!r} is not a backend; use one of {BACKENDS}")
-        _resolved[key] = env or ("scaled_mm" if has_block_scaled_mm(device) else "emulated")
+        if env is None and has_block_scaled_mm(device):
+            from jetrl.fp8.kernels import has_triton
+
+            env = "auto" if has_triton() else "scaled_mm"
+        _resolved[key] = env or "emulated"
     return _resolved[key]
 
 

@@ -8,6 +8,9 @@ One ``autograd.Function`` holds the whole layer (y = x W^T; M tokens, K in, N ou
 
 * The input is saved for backward in FP8, already in the wgrad layout (X^T codes + scales,
   1 byte/element); the BF16 input is not kept.
+* X and dY are each quantized in one pass that writes both of their layouts
+  (:func:`~jetrl.fp8.quant.quantize_with_transpose`): two activation passes per layer
+  and step instead of four.
 * Gradients between ops stay in the input's dtype (BF16 in a BF16 model), dW is accumulated
   in fp32 by the GEMM and returned in the master weight's dtype (BF16, or fp32 if chosen).
 * The bias is added outside the Function in high precision, by autograd.
@@ -28,8 +31,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from jetrl.fp8.gemm import fp8_gemm
-from jetrl.fp8.quant import Float8Blocks, quantize
-from jetrl.fp8.recipe import LinearPrecision, Recipe, current_phase
+from jetrl.fp8.quant import BLOCK, Float8Blocks, quantize, quantize_with_transpose
+from jetrl.fp8.recipe import LinearPrecision, QuantSpec, Recipe, current_phase
 from jetrl.fp8.weight_cache import WeightCache
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -39,15 +42,14 @@ class _Float8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, weight, cache: WeightCache, spec: LinearPrecision, name: str, save_for_wgrad: bool):
         w_q = cache.get(weight, spec.weight)
-        x_q = quantize(x2d, spec.input.block, pow2_scale=spec.input.pow2_scale, name=f"{name}.input")
-        y = fp8_gemm(x_q, w_q, out_dtype=x2d.dtype)  # (M, N)
         ctx.cache, ctx.spec, ctx.name, ctx.x_dtype = cache, spec, name, x2d.dtype
         if save_for_wgrad and spec.grad_output is not None:
-            xt_q = quantize(x2d.t(), spec.wgrad.block, pow2_scale=spec.wgrad.pow2_scale, name=f"{name}.input_t")
+            x_q, xt_q = _quantize_both(x2d, spec.input, spec.wgrad, f"{name}.input")  # one pass on CUDA
             ctx.save_for_backward(weight, xt_q.codes, xt_q.scales)  # X^T (K, M) in FP8
         else:
+            x_q = quantize(x2d, spec.input.block, pow2_scale=spec.input.pow2_scale, name=f"{name}.input")
             ctx.save_for_backward(weight)
-        return y
+        return fp8_gemm(x_q, w_q, out_dtype=x2d.dtype)  # (M, N)
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -55,17 +57,31 @@ class _Float8LinearFn(torch.autograd.Function):
         weight, *saved = ctx.saved_tensors
         grad_y = grad_y.contiguous()  # (M, N)
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            dy_q = quantize(grad_y, spec.grad_output.block, pow2_scale=spec.grad_output.pow2_scale, name=f"{name}.grad_output")
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if need_dw and not saved:
+            raise RuntimeError(f"{name}: wgrad needs the FP8 input saved in forward; run forward with grad enabled")
+        gname = f"{name}.grad_output"
+        if need_dx and need_dw:
+            dy_q, dyt_q = _quantize_both(grad_y, spec.grad_output, spec.wgrad, gname)  # one pass on CUDA
+        else:
+            dy_q = quantize(grad_y, spec.grad_output.block, pow2_scale=spec.grad_output.pow2_scale, name=gname) if need_dx else None
+            dyt_q = quantize(grad_y.t(), spec.wgrad.block, pow2_scale=spec.wgrad.pow2_scale, name=f"{gname}_t") if need_dw else None
+        if need_dx:
             wt_q = ctx.cache.get_transposed(weight, spec.weight)  # (K, N)
             grad_x = fp8_gemm(dy_q, wt_q, out_dtype=ctx.x_dtype, batch_invariant=False)  # (M, K)
-        if ctx.needs_input_grad[1]:
-            if not saved:
-                raise RuntimeError(f"{name}: wgrad needs the FP8 input saved in forward; run forward with grad enabled")
+        if need_dw:
             xt_q = Float8Blocks(saved[0], saved[1], spec.wgrad.block)
-            dyt_q = quantize(grad_y.t(), spec.wgrad.block, pow2_scale=spec.wgrad.pow2_scale, name=f"{name}.grad_output_t")
-            grad_w = fp8_gemm(dyt_q, xt_q, out_dtype=torch.float32, batch_invariant=False).to(weight.dtype)  # (N, K)
+            # fp32 accumulation, rounded once to the master weight's dtype by the GEMM itself
+            grad_w = fp8_gemm(dyt_q, xt_q, out_dtype=weight.dtype, batch_invariant=False)  # (N, K)
         return grad_x, grad_w, None, None, None, None
+
+
+def _quantize_both(t: torch.Tensor, rows: QuantSpec, tokens: QuantSpec, name: str) -> tuple[Float8Blocks, Float8Blocks]:
+    """q(t) in ``rows``' groups and q(t^T) in ``tokens``' groups; fused when both are 1x128 alike."""
+    if rows == tokens and rows.block == (1, BLOCK):
+        return quantize_with_transpose(t, pow2_scale=rows.pow2_scale, name=name)
+    return (quantize(t, rows.block, pow2_scale=rows.pow2_scale, name=name),
+            quantize(t.t(), tokens.block, pow2_scale=tokens.pow2_scale, name=f"{name}_t"))
 
 
 class Float8Linear(nn.Linear):

@@ -153,8 +153,33 @@ def quantize(
     ``name`` is used in error messages only (e.g. ``"model.layers.0.mlp.up_proj.weight"``).
     """
     _validate(x, block, name)
-    codes, scales = _implementation(x.device)(x, block[0], block[1], pow2_scale)
-    out = Float8Blocks(codes, scales, tuple(block))
+    codes, scales = _implementation(x.device, tuple(block))(x, block[0], block[1], pow2_scale)
+    return _finish(Float8Blocks(codes, scales, tuple(block)), check_finite, name)
+
+
+def quantize_with_transpose(
+    x: torch.Tensor, *, pow2_scale: bool = False, check_finite: bool = False, name: str = "tensor"
+) -> tuple[Float8Blocks, Float8Blocks]:
+    """``(quantize(x, (1, 128)), quantize(x.t(), (1, 128)))`` in one pass over ``x`` (M, K).
+
+    The two layouts a linear layer needs from one tensor: 1x128 groups along K for fprop or
+    dgrad, and 1x128 groups along the tokens M for wgrad. The result is *defined* as the two
+    separate calls (same codes, same scales, bit for bit); on CUDA one fused kernel reads x
+    once and writes both, instead of two passes and a strided read of x^T.
+    Recorders see ``name`` and ``name + "_t"``.
+    """
+    _validate(x, (1, BLOCK), name)
+    if quant_backend(x.device) == "triton":
+        from jetrl.fp8.kernels.quant_triton import quantize_dual_triton
+
+        codes, scales, codes_t, scales_t = quantize_dual_triton(x, pow2_scale)
+        out = Float8Blocks(codes, scales, (1, BLOCK)), Float8Blocks(codes_t, scales_t, (1, BLOCK))
+        return _finish(out[0], check_finite, name), _finish(out[1], check_finite, f"{name}_t")
+    return (quantize(x, (1, BLOCK), pow2_scale=pow2_scale, check_finite=check_finite, name=name),
+            quantize(x.t(), (1, BLOCK), pow2_scale=pow2_scale, check_finite=check_finite, name=f"{name}_t"))
+
+
+def _finish(out: Float8Blocks, check_finite: bool, name: str) -> Float8Blocks:
     if check_finite:
         assert_finite(out, name)
     for recorder in _RECORDERS:
@@ -201,8 +226,10 @@ def quant_backend(device: torch.device) -> str:
     return "triton" if device.type == "cuda" and has_triton() else "reference"
 
 
-def _implementation(device: torch.device) -> Callable:
+def _implementation(device: torch.device, block: tuple[int, int]) -> Callable:
     backend = quant_backend(device)
+    if backend == "triton" and block != (BLOCK, BLOCK) and not (block[0] == 1 and block[1] in (16, 32, 64, 128)):
+        backend = "reference"  # group shapes the kernel does not take (the results are the same by spec)
     if backend not in _impls:
         if backend == "triton":
             from jetrl.fp8.kernels.quant_triton import quantize_triton

@@ -1,25 +1,42 @@
 """Triton kernel of the one quantizer; its spec is :func:`jetrl.fp8.quant.quantize_reference`.
 
-One program quantizes a (TILE_R, 128) tile of x (R, C): with 1x128 groups each tile row is
-a group, with 128x128 blocks the whole tile (TILE_R = 128) is one block. It reads x through
-its strides, so the wgrad operand ``x.t()`` is quantized without a transpose copy, and it
-writes row-major codes (R, C) and fp32 scales (ceil(R/GR), ceil(C/128)).
+Two kernels:
+
+* ``_quantize_kernel``: one program quantizes a (TILE_R, GC) tile of x (R, C), GC the group
+  width (128 for GEMM operands; the head_dim, a power of two from 16 to 128, for the per-token
+  KV-cache groups). With 1xGC groups each tile row is a group, with 128x128 blocks the whole
+  tile (TILE_R = 128) is one block. It reads x through its strides, so the wgrad operand
+  ``x.t()`` is quantized without a transpose copy, and it writes row-major codes (R, C) and
+  fp32 scales (ceil(R/GR), ceil(C/GC)).
+* ``_quantize_dual_kernel``: one pass over x (M, K) that writes *both* layouts a linear layer
+  needs -- q(x) in 1x128 groups along K (fprop, dgrad) and q(x^T) in 1x128 groups along M
+  (wgrad) -- per (128, 128) tile: column amaxes give the token-group scales, row amaxes the
+  others, and the transposed codes are stored through a register transpose. DRAM sees x
+  once (the second walk over the tile hits the cache), and x^T is never materialized. Each layout's
+  codes and scales are exactly those of ``quantize_reference(x, 1, 128)`` and
+  ``quantize_reference(x.t(), 1, 128)``.
 
 The arithmetic is the reference's, operation for operation, so the GPU codes are
 bit-identical to it:
 
-    amax = max|x| over the group               (NaN/Inf tracked separately: tl.max drops NaN)
+    amax = max|x| over the group               (NaN/Inf map to +inf first: tl.max drops NaN)
     s    = max(div_rn(amax, 448), 2^-126)      IEEE division, not Triton's approximate '/'
     s    = 2^ceil(log2 s) by exponent bits     (pow2 scales)
     r    = div_rn(1, s)
     q    = e4m3_rne(clamp(x * r, -448, 448))   0x7F (NaN) for a group holding NaN/Inf
 
-The final rounding to E4M3 is done explicitly (``_round_to_e4m3``), so the kernel gives the
-reference's codes under ``TRITON_INTERPRET=1`` on CPU too, whose own fp32 -> e4m3 cast
-mishandles carries into the next binade.
+Under ``TRITON_INTERPRET=1`` on CPU the final rounding to E4M3 is done explicitly
+(``_round_to_e4m3``), because the interpreter's own fp32 -> e4m3 cast mishandles carries into
+the next binade; on the GPU the hardware's RNE cast of the clamped value gives the same codes
+(checked bit for bit by ``jetrl bench``; ``JETRL_QUANT_EXPLICIT_ROUND=1`` forces the software path).
+
+Grids put the column tiles on the fastest program axis, so consecutive programs read
+consecutive memory.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -29,6 +46,7 @@ from jetrl.fp8.quant import E4M3, E4M3_MAX, SCALE_FLOOR
 
 E4M3_MAX_C = tl.constexpr(E4M3_MAX)
 SCALE_FLOOR_C = tl.constexpr(SCALE_FLOOR)
+GROUP_WIDTHS = (16, 32, 64, 128)  # 1xGC group widths the kernel takes (tl.arange needs a power of two)
 SIGN_BIT_C = tl.constexpr(-(2**31))  # 0x80000000 as int32
 MANTISSA_KEEP_C = tl.constexpr(-(2**20))  # ~0xFFFFF: keep sign, exponent and 3 mantissa bits
 
@@ -55,24 +73,8 @@ def _round_to_e4m3(y):
 
 
 @triton.jit
-def _quantize_kernel(
-    x_ptr, codes_ptr, scales_ptr,
-    R, C, stride_xr, stride_xc, num_col_groups,
-    GROUP_ROWS: tl.constexpr, TILE_R: tl.constexpr, POW2: tl.constexpr,
-):
-    pid_r, pid_c = tl.program_id(0), tl.program_id(1)
-    rows = pid_r * TILE_R + tl.arange(0, TILE_R)
-    cols = pid_c * 128 + tl.arange(0, 128)
-    mask = (rows[:, None] < R) & (cols[None, :] < C)
-    x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
-    ax = tl.abs(x)
-    bad = (ax == float("inf")) | (x != x)
-    if GROUP_ROWS == 1:
-        amax = tl.max(ax, axis=1)  # (TILE_R,)
-        nonfinite = tl.max(bad.to(tl.int32), axis=1) > 0
-    else:
-        amax = tl.max(tl.max(ax, axis=1), axis=0)  # scalar: one 128x128 block
-        nonfinite = tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) > 0
+def _scale_and_reciprocal(amax, nonfinite, POW2: tl.constexpr):
+    """s = max(div_rn(amax, 448), 2^-126) (pow2: rounded up by exponent bits), NaN if non-finite; r = div_rn(1, s)."""
     scale = tl.maximum(tl.math.div_rn(amax, E4M3_MAX_C), SCALE_FLOOR_C)
     if POW2:
         bits = scale.to(tl.int32, bitcast=True)
@@ -80,21 +82,61 @@ def _quantize_kernel(
         scale = (exponent << 23).to(tl.float32, bitcast=True)
     scale = tl.where(nonfinite, float("nan"), scale)
     reciprocal = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    return scale, reciprocal
+
+
+@triton.jit
+def _code_bits(y, is_nan, EXPLICIT_ROUND: tl.constexpr):
+    """uint8 E4M3 codes of y = x * r: clamp, RNE, and the canonical NaN 0x7F where ``is_nan``.
+
+    EXPLICIT_ROUND rounds in fp32/int32 ops first (the interpreter's own cast mishandles
+    binade carries); on the GPU the hardware cast (cvt.rn.satfinite, RNE) gives the same
+    codes on the clamped values, which the bench checks bit for bit.
+    """
+    y = tl.minimum(tl.maximum(y, -E4M3_MAX_C), E4M3_MAX_C)
+    if EXPLICIT_ROUND:
+        y = _round_to_e4m3(y)  # exact E4M3 values: the cast below does no rounding of its own
+    # NaN codes are written as the canonical 0x7F, independent of how the backend casts NaN.
+    return tl.where(is_nan, 0x7F, y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)).to(tl.uint8)
+
+
+@triton.jit
+def _amax(x, axis: tl.constexpr):
+    """max |x| along ``axis``, +inf for a group holding NaN or +-Inf (one reduction; tl.max drops NaN)."""
+    return tl.max(tl.where(x == x, tl.abs(x), float("inf")), axis=axis)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, codes_ptr, scales_ptr,
+    R, C, stride_xr, stride_xc, num_col_groups,
+    GROUP_ROWS: tl.constexpr, GROUP_COLS: tl.constexpr, TILE_R: tl.constexpr, POW2: tl.constexpr,
+    EXPLICIT_ROUND: tl.constexpr,
+):
+    pid_c, pid_r = tl.program_id(0), tl.program_id(1)  # column groups vary fastest: sequential reads
+    rows = pid_r * TILE_R + tl.arange(0, TILE_R)
+    cols = pid_c * GROUP_COLS + tl.arange(0, GROUP_COLS)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
     if GROUP_ROWS == 1:
-        y = x * reciprocal[:, None]
-        row_nan = nonfinite[:, None]
+        amax = _amax(x, 1)  # (TILE_R,)
     else:
-        y = x * reciprocal
-        row_nan = nonfinite
-    y = _round_to_e4m3(tl.minimum(tl.maximum(y, -E4M3_MAX_C), E4M3_MAX_C))
-    # y now holds exact E4M3 values, so the cast below does no rounding of its own. NaN codes
-    # are written as the canonical 0x7F, independent of how the backend casts NaN.
-    code_bits = tl.where(row_nan, 0x7F, y.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
-    tl.store(codes_ptr + rows[:, None] * C + cols[None, :], code_bits.to(tl.uint8), mask=mask)
+        amax = tl.max(_amax(x, 1), axis=0)  # scalar: one 128x128 block
+    scale, reciprocal = _scale_and_reciprocal(amax, amax == float("inf"), POW2)
+    if GROUP_ROWS == 1:
+        code_bits = _code_bits(x * reciprocal[:, None], (scale != scale)[:, None], EXPLICIT_ROUND)
+    else:
+        code_bits = _code_bits(x * reciprocal, scale != scale, EXPLICIT_ROUND)
+    tl.store(codes_ptr + rows[:, None] * C + cols[None, :], code_bits, mask=mask)
     if GROUP_ROWS == 1:
         tl.store(scales_ptr + rows * num_col_groups + pid_c, scale, mask=rows < R)
     else:
         tl.store(scales_ptr + pid_r * num_col_groups + pid_c, scale)
+
+
+def explicit_round() -> bool:
+    """Round in software under the interpreter (or with JETRL_QUANT_EXPLICIT_ROUND=1), else by the hardware cast."""
+    return os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("JETRL_QUANT_EXPLICIT_ROUND") == "1"
 
 
 def quantize_triton(
@@ -102,17 +144,73 @@ def quantize_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same signature and result as ``quantize_reference``: (codes (R, C), scales (R/br, C/bc)).
 
-    ``tile_rows`` / ``num_warps`` exist for the bench's tile sweep (1x128 groups only).
+    ``tile_rows`` / ``num_warps`` exist for the bench's tile sweep (1xGC groups only).
     """
-    assert x.dim() == 2 and bc == 128 and br in (1, 128), (x.shape, br, bc)
+    assert x.dim() == 2 and ((br, bc) == (128, 128) or (br == 1 and bc in GROUP_WIDTHS)), (x.shape, br, bc)
     rows, cols = x.shape
     num_row_groups, num_col_groups = triton.cdiv(rows, br), triton.cdiv(cols, bc)
     codes = torch.empty((rows, cols), dtype=E4M3, device=x.device)
     scales = torch.empty((num_row_groups, num_col_groups), dtype=torch.float32, device=x.device)
-    tile_r = 128 if br == 128 else (tile_rows or 32)
-    grid = (triton.cdiv(rows, tile_r), num_col_groups)
+    tile_r = 128 if br == 128 else (tile_rows or max(32, 4096 // bc))
+    grid = (num_col_groups, triton.cdiv(rows, tile_r))
     _quantize_kernel[grid](
         x, codes.view(torch.uint8), scales, rows, cols, x.stride(0), x.stride(1), num_col_groups,
-        GROUP_ROWS=br, TILE_R=tile_r, POW2=pow2_scale, num_warps=num_warps or (8 if br == 128 else 4),
+        GROUP_ROWS=br, GROUP_COLS=bc, TILE_R=tile_r, POW2=pow2_scale, EXPLICIT_ROUND=explicit_round(), num_warps=num_warps or (8 if br == 128 else 4),
     )
     return codes, scales
+
+
+@triton.jit
+def _quantize_dual_kernel(
+    x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr,
+    M, K, stride_xm, stride_xk, num_k_groups, num_m_groups,
+    POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr, CHUNK: tl.constexpr,
+):
+    # One (128 m, 128 k) tile, walked in (128, CHUNK) column chunks to keep registers low.
+    # Pass 1: a chunk holds whole token groups (128 rows) of CHUNK columns, so it finishes
+    # their x^T scales and codes at once, and accumulates the row amaxes. Pass 2 re-reads the
+    # chunks (from cache: DRAM sees x once) and writes q(x) with the now complete row scales.
+    pid_k, pid_m = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * 128 + tl.arange(0, 128)
+    row_ok = rows < M
+    amax = tl.zeros((128,), dtype=tl.float32)
+    for c in range(128 // CHUNK):
+        cols = pid_k * 128 + c * CHUNK + tl.arange(0, CHUNK)
+        mask = row_ok[:, None] & (cols[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, _amax(x, 1))
+        amax_t = _amax(x, 0)  # (CHUNK,): complete token groups
+        scale_t, reciprocal_t = _scale_and_reciprocal(amax_t, amax_t == float("inf"), POW2)
+        code_bits_t = tl.trans(_code_bits(x * reciprocal_t[None, :], (scale_t != scale_t)[None, :], EXPLICIT_ROUND))
+        tl.store(codes_t_ptr + cols[:, None] * M + rows[None, :], code_bits_t, mask=tl.trans(mask))
+        tl.store(scales_t_ptr + cols * num_m_groups + pid_m, scale_t, mask=cols < K)
+    scale, reciprocal = _scale_and_reciprocal(amax, amax == float("inf"), POW2)
+    tl.store(scales_ptr + rows * num_k_groups + pid_k, scale, mask=row_ok)
+    for c in range(128 // CHUNK):
+        cols = pid_k * 128 + c * CHUNK + tl.arange(0, CHUNK)
+        mask = row_ok[:, None] & (cols[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        code_bits = _code_bits(x * reciprocal[:, None], (scale != scale)[:, None], EXPLICIT_ROUND)
+        tl.store(codes_ptr + rows[:, None] * K + cols[None, :], code_bits, mask=mask)
+
+
+def quantize_dual_triton(
+    x: torch.Tensor, pow2_scale: bool, *, chunk: int = 32, num_warps: int = 4
+) -> tuple[torch.Tensor, ...]:
+    """Same result as ``(*quantize_reference(x, 1, 128, p), *quantize_reference(x.t(), 1, 128, p))``.
+
+    Returns (codes (M, K), scales (M, K/128), codes_t (K, M), scales_t (K, M/128)), row-major.
+    """
+    assert x.dim() == 2, x.shape
+    m, k = x.shape
+    num_m_groups, num_k_groups = triton.cdiv(m, 128), triton.cdiv(k, 128)
+    codes = torch.empty((m, k), dtype=E4M3, device=x.device)
+    scales = torch.empty((m, num_k_groups), dtype=torch.float32, device=x.device)
+    codes_t = torch.empty((k, m), dtype=E4M3, device=x.device)
+    scales_t = torch.empty((k, num_m_groups), dtype=torch.float32, device=x.device)
+    _quantize_dual_kernel[(num_k_groups, num_m_groups)](
+        x, codes.view(torch.uint8), scales, codes_t.view(torch.uint8), scales_t,
+        m, k, x.stride(0), x.stride(1), num_k_groups, num_m_groups, POW2=pow2_scale,
+        EXPLICIT_ROUND=explicit_round(), CHUNK=chunk, num_warps=num_warps,
+    )
+    return codes, scales, codes_t, scales_t
