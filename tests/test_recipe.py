@@ -10,6 +10,7 @@ import jetrl.fp8.linear as linear_mod
 from jetrl.fp8 import (
     RECIPE_NAMES,
     Float8Linear,
+    KVCacheSpec,
     LinearPrecision,
     OffPolicyRecipeError,
     QuantSpec,
@@ -37,7 +38,7 @@ def _tiny_model(seed=0, hidden=256):
 
 
 def test_recipes_on_policy_flags():
-    assert set(RECIPE_NAMES) == {"bf16", "fp8_rollout", "jet"}
+    assert set(RECIPE_NAMES) == {"bf16", "fp8_rollout", "jet", "jet_kv", "fp8kv_rollout"}
     assert check_rollout_subgraph(get_recipe("bf16"))["on_policy"]
     assert check_rollout_subgraph(get_recipe("jet"))["on_policy"]
     off = get_recipe("fp8_rollout")
@@ -47,6 +48,38 @@ def test_recipes_on_policy_flags():
     assert meta["declared_off_policy"] and not meta["on_policy"]
     jet = get_recipe("jet").metadata()
     assert jet["on_policy"] and jet["train_fp8_backward"] and not jet["declared_off_policy"]
+    assert not (jet["train_fp8_kv"] or jet["rollout_fp8_kv"])
+
+
+def test_kv_cache_recipes():
+    jet, jet_kv, off = get_recipe("jet"), get_recipe("jet_kv"), get_recipe("fp8kv_rollout")
+    # jet is exactly the paper's recipe: every non-linear op BF16, no KV spec in either phase
+    assert jet.ops == dict.fromkeys(("embedding", "lm_head", "norm", "attention", "kv_cache"), "bf16")
+    assert jet.rollout_ops is None and jet.kv_cache("train") is None and jet.kv_cache("rollout") is None
+    # jet_kv = jet + the same FP8 KV spec in both phases: on-policy, the KV op takes part in the check
+    assert (jet_kv.train, jet_kv.rollout) == (jet.train, jet.rollout)
+    assert jet_kv.kv_cache("train") == jet_kv.kv_cache("rollout") == KVCacheSpec()
+    assert str(jet_kv.forward_graph("train")["kv_cache"]) == "e4m3/token-head"
+    meta = jet_kv.metadata()
+    assert meta["on_policy"] and meta["train_fp8_kv"] and meta["rollout_fp8_kv"] and not meta["declared_off_policy"]
+    # fp8kv_rollout: BF16 linears in both phases, FP8 KV only in the rollout -> declared off-policy
+    assert not (off.train.is_fp8 or off.rollout.is_fp8) and off.off_policy
+    assert off.kv_cache("train") is None and off.kv_cache("rollout") == KVCacheSpec()
+    assert check_rollout_subgraph(off) == {"on_policy": False, "mismatched_ops": ["kv_cache"]}
+    # the same flow without the declaration is refused by the check, and so by the FP8 transform
+    undeclared = dataclasses.replace(off, name="kv_undeclared", off_policy=False)
+    with pytest.raises(OffPolicyRecipeError, match=r"kv_undeclared.*kv_cache: train=bf16 rollout=e4m3/token-head"):
+        check_rollout_subgraph(undeclared)
+    with pytest.raises(OffPolicyRecipeError):
+        convert_to_float8(_tiny_model(), undeclared)
+    # pow2 applies to the KV cache too, on both sides; pow2 KV in the rollout only is a mismatch
+    pow2 = get_recipe("jet_kv", pow2_scale=True)
+    assert pow2.name == "jet_kv+pow2" and pow2.kv_cache("train") == pow2.kv_cache("rollout") == KVCacheSpec(True)
+    assert check_rollout_subgraph(pow2)["on_policy"] and pow2.metadata()["pow2_scale"]
+    assert get_recipe("fp8kv_rollout", pow2_scale=True).kv_cache("rollout").pow2_scale
+    half = dataclasses.replace(jet_kv, name="kv_pow2_rollout", rollout_ops={**jet_kv.ops, "kv_cache": KVCacheSpec(True)})
+    with pytest.raises(OffPolicyRecipeError, match="kv_cache: train=e4m3/token-head rollout=e4m3/token-head/pow2"):
+        check_rollout_subgraph(half)
 
 
 def test_subgraph_check_raises_on_an_undeclared_mismatch():
@@ -57,7 +90,7 @@ def test_subgraph_check_raises_on_an_undeclared_mismatch():
     with pytest.raises(OffPolicyRecipeError, match="jet_bad.*linear.input.*off_policy=True"):
         check_rollout_subgraph(bad)
     # a non-linear op computed differently in the rollout (an FP8 KV cache the trainer never sees)
-    kv = dataclasses.replace(jet, name="kv_bad", rollout_ops={**jet.ops, "kv_cache": "e4m3 per token-head"})
+    kv = dataclasses.replace(jet, name="kv_bad", rollout_ops={**jet.ops, "kv_cache": KVCacheSpec()})
     with pytest.raises(OffPolicyRecipeError, match="kv_cache: train=bf16 rollout=e4m3"):
         check_rollout_subgraph(kv)
     declared = dataclasses.replace(kv, off_policy=True)
@@ -79,6 +112,9 @@ def test_pow2_applies_to_both_sides():
         (lambda: QuantSpec((1, 64)), "block"),
         (lambda: QuantSpec((1, 128), fmt="e5m2"), "e4m3"),
         (lambda: precision_phase("eval").__enter__(), "unknown precision phase"),
+        (lambda: KVCacheSpec(fmt="e5m2"), "e4m3"),
+        (lambda: KVCacheSpec(granularity="token"), "token-head"),
+        (lambda: dataclasses.replace(get_recipe("jet"), ops={"kv_cache": "fp8"}), "kv_cache='fp8'.*KVCacheSpec"),
     ],
 )
 def test_invalid_config_is_actionable(call, match):
@@ -149,15 +185,16 @@ def test_single_quantizer_proof_train_rollout_export_bit_identical(monkeypatch, 
 def test_rollout_logits_equal_training_forward_logits_under_jet_but_not_fp8_rollout():
     ids = torch.randint(0, 96, (2, 20))
     gaps = {}
-    for name in ("bf16", "jet", "fp8_rollout"):
+    for name in ("bf16", "jet", "fp8_rollout", "jet_kv", "fp8kv_rollout"):
         model = convert_to_float8(_tiny_model(seed=2), get_recipe(name))
         with torch.no_grad():
             train = model(ids)
             with precision_phase("rollout"):
                 rollout = model(ids)
         gaps[name] = (train - rollout).abs().max().item()
-    assert gaps["bf16"] == 0.0 and gaps["jet"] == 0.0
+    assert gaps["bf16"] == 0.0 and gaps["jet"] == 0.0 and gaps["jet_kv"] == 0.0
     assert gaps["fp8_rollout"] > 1e-3
+    assert gaps["fp8kv_rollout"] > 1e-3  # FP8 K/V in the rollout forward only (measured 4.4e-2)
 
 
 def test_jet_forward_is_batch_invariant_on_cpu():

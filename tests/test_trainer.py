@@ -51,13 +51,15 @@ def test_one_step_changes_parameters_and_logs_every_metric():
     assert trainer.old_logprobs_source == "rollout" and metrics["grad_norm"] > 0
 
 
-@pytest.mark.parametrize("recipe, source", [("bf16", "recompute"), ("fp8_rollout", "recompute"), ("jet", "rollout")])
+@pytest.mark.parametrize("recipe, source", [("bf16", "recompute"), ("fp8_rollout", "recompute"), ("jet", "rollout"),
+                                            ("jet_kv", "rollout"), ("fp8kv_rollout", "recompute")])
 def test_old_logprobs_source_and_mismatch_per_recipe(recipe, source):
     trainer = _trainer(recipe)
     assert trainer.old_logprobs_source == source
     metrics = trainer.train_step()
-    if recipe == "fp8_rollout":
-        assert metrics["token_mult_prob_error"] > 1.001  # the rollout samples from another graph
+    if recipe in ("fp8_rollout", "fp8kv_rollout"):
+        # the rollout samples from another graph (fp8kv_rollout: FP8 K/V only; measured 1.0031)
+        assert metrics["token_mult_prob_error"] > 1.001
     else:
         assert metrics["token_mult_prob_error"] < 1.001
     with pytest.raises(ValueError, match="needs an on-policy recipe"):
@@ -167,6 +169,12 @@ def test_generate_and_eval_commands(random_checkpoint, tmp_path):
     lines = [json.loads(line) for line in proc.stdout.strip().splitlines()]
     assert len(lines) == 6 and {(x["prompt_index"], x["sample_index"]) for x in lines} == {(i, j) for i in range(3) for j in range(2)}
     assert all(len(x["logprobs"]) == len(x["token_ids"]) and all(lp <= 0 for lp in x["logprobs"]) for x in lines)
+    proc = subprocess.run([sys.executable, "-m", "jetrl", "generate", "--model", str(random_checkpoint),
+                           "--prompt", "What is 5 + 6?", "--recipe", "jet_kv", "--max-tokens", "5", "--logprobs"],
+                          capture_output=True, text=True, timeout=300)  # the FP8 KV cache path of the CLI
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (line,) = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    assert len(line["token_ids"]) == len(line["logprobs"]) >= 1
     proc = subprocess.run([sys.executable, "-m", "jetrl", "eval", "--preset", "tiny", "--model", str(random_checkpoint),
                            "task.source=synthetic", "task.num_train=8", "task.num_eval=6", "grpo.max_completion_length=5",
                            "--num-samples", "3", "--temperature", "1.0"], capture_output=True, text=True, timeout=300)

@@ -48,6 +48,8 @@ from jetrl.engine.kv_cache import StaticKVCache
 from jetrl.engine.sampling import SamplingParams, prompt_seed, sample, sequence_key
 from jetrl.engine.scheduler import IncrementalDetokenizer, Scheduler, Sequence, StopChecker
 from jetrl.fp8 import float8_modules, precision_phase
+from jetrl.fp8.convert import model_recipe
+from jetrl.fp8.kernels import has_triton
 
 
 @dataclass
@@ -82,8 +84,14 @@ class Engine:
     max_prefill_tokens: padded tokens per prefill forward (a longer prompt still runs, alone).
     sync_every:       decode steps between host syncs (default 8 on CUDA, 1 on CPU).
     use_cuda_graphs:  capture the decode forward per batch-size bucket (default on CUDA; ignored on CPU).
+    use_decode_kernel: decode attention by the fused kernel (jetrl/engine/decode_attention.py) that
+                      reads the cache (FP8 codes + scales) directly; default on CUDA with Triton,
+                      never on CPU, where the cache is dequantized and the model's attention runs.
 
-    KV memory: 2 * layers * max_slots * kv_heads * max_len * head_dim * bytes(model dtype).
+    KV cache format: the model's recipe decides (:func:`jetrl.fp8.convert.model_recipe`): FP8 codes
+    + per-token-head scales when its rollout ``kv_cache`` op is FP8 (``jet_kv``, ``fp8kv_rollout``),
+    the model dtype otherwise. KV memory: 2 * layers * max_slots * kv_heads * max_len * head_dim *
+    bytes(model dtype); for FP8, 1 byte per element plus a 4-byte scale per head_dim elements.
     """
 
     def __init__(
@@ -97,6 +105,7 @@ class Engine:
         sync_every: int | None = None,
         use_cuda_graphs: bool | None = None,
         graph_buckets: list[int] | None = None,
+        use_decode_kernel: bool | None = None,
     ) -> None:
         for name, value in (("max_slots", max_slots), ("max_len", max_len), ("max_prefill_tokens", max_prefill_tokens)):
             if not isinstance(value, int) or value < 1 or (name == "max_len" and value < 2):
@@ -107,6 +116,7 @@ class Engine:
         self.config = model.config
         self.max_slots, self.max_len, self.max_prefill_tokens = max_slots, max_len, max_prefill_tokens
         self._sync_every, self._want_graphs = sync_every, use_cuda_graphs is not False
+        self._want_decode_kernel = use_decode_kernel
         self.stats = EngineStats()
         self._graph_buckets = graph_buckets
         self._state_key: tuple | None = None
@@ -117,16 +127,22 @@ class Engine:
 
     # ------------------------------------------------------------------ persistent device state
     def _ensure_state(self) -> None:
-        """(Re)allocate the KV cache and per-slot state if the model's device or dtype changed."""
+        """(Re)allocate the KV cache and per-slot state if the model's device, dtype or KV format changed."""
         weight = self.model.model.embed_tokens.weight
-        key = (weight.device, weight.dtype)
+        recipe = model_recipe(self.model)
+        key = (weight.device, weight.dtype, recipe.kv_cache("rollout") if recipe is not None else None)
         if key == self._state_key:
             return
-        self.device, dtype = key
+        self.device, dtype, kv_spec = key
         on_cuda = self.device.type == "cuda"
         self.sync_every = self._sync_every or (8 if on_cuda else 1)
         self.use_cuda_graphs = on_cuda and self._want_graphs
-        self.cache = StaticKVCache.for_model(self.config, self.max_slots, self.max_len, dtype, self.device)
+        if self._want_decode_kernel and not on_cuda:
+            raise ValueError("Engine(use_decode_kernel=True) needs a CUDA model; the CPU path runs the reference")
+        self.cache = StaticKVCache.for_model(self.config, self.max_slots, self.max_len, dtype, self.device, kv_spec)
+        self.cache.use_decode_kernel = on_cuda and (
+            has_triton() if self._want_decode_kernel is None else self._want_decode_kernel
+        )
         self.next_tokens = torch.zeros(
             self.max_slots, dtype=torch.int64, device=self.device
         )  # (S,) sampled, not cached

@@ -6,10 +6,21 @@ Why per-slot rather than paged: it is the smallest correct design in pure PyTorc
 reads a dense cache at the bytes floor, design.md §5); the cost is memory reserved for
 ``max_len`` per slot whatever the sequence's length.
 
-Layout (model dtype, preallocated once):
+Layout (preallocated once):
 
-    k, v      (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+    k, v      (num_layers, num_slots, num_kv_heads, max_len, head_dim)   model dtype, or FP8 codes
+    k_scale,  (num_layers, num_slots, num_kv_heads, max_len) fp32        FP8 only: one scale per
+    v_scale                                                             token per KV head
     lengths   (num_slots,) int64: positions [0, lengths[s]) of slot s hold valid K/V
+
+FP8 cache (``kv_spec`` given, from the recipe's rollout ``kv_cache`` op): K/V are written as
+float8_e4m3fn codes + fp32 scales by :func:`jetrl.fp8.kv_quant.quantize_kv` -- the quantizer the
+trainer's forward applies to the same K/V -- and read back with :func:`~jetrl.fp8.kv_quant.dequantize_kv`
+in the model dtype, so attention sees exactly the trainer's quantize->dequantize values, prefill
+included (a prefill attends over the dequantized prompt K/V, not the ones it just computed). The
+codes are written through uint8 views: ``scatter_`` is not implemented for float8 dtypes (torch
+2.13 CPU), and a byte copy is exact. Memory per token-head: head_dim + 4 bytes, about
+0.52x of BF16 at head_dim 128.
 
 Invariants:
 * Positions >= lengths[s] hold stale data and are never attended to.
@@ -27,6 +38,13 @@ is read once per forward, ``update(layer, k, v)`` stores this call's K/V (post-R
 model's single KV hook produces them) and returns the K/V to attend over. A decode view
 returns the whole fixed-length row, ``(B, Hkv, max_len, D)``, so its ``offset`` is
 ``max_len - 1`` (``offset + T`` keys) and the per-row validity comes from :meth:`decode_mask`.
+
+Fused decode (GPU): with ``use_decode_kernel`` set (the engine sets it on CUDA when Triton is
+available) a decode view also exposes ``attend(layer, q, k, v)``: it stores k/v as ``update``
+does and returns ``jetrl.engine.decode_attention.decode_attention`` over the cache rows, which
+reads FP8 codes and scales directly instead of materializing a dequantized cache. No host sync,
+so a decode step stays CUDA-graph capturable. The CPU path never uses it: it dequantizes and
+runs the model's own attention, the reference the kernel is tested against.
 """
 
 from __future__ import annotations
@@ -34,11 +52,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from jetrl.fp8.kv_quant import dequantize_kv, kv_names, quantize_kv
+from jetrl.fp8.quant import E4M3
+from jetrl.fp8.recipe import KVCacheSpec
 from jetrl.models.config import ModelConfig
 
 
 class StaticKVCache:
-    """Preallocated K/V for ``num_slots`` sequences of up to ``max_len`` tokens each."""
+    """Preallocated K/V for ``num_slots`` sequences of up to ``max_len`` tokens each.
+
+    ``kv_spec`` None: K/V in ``dtype``. A :class:`~jetrl.fp8.recipe.KVCacheSpec`: FP8 codes and
+    per-token-head scales (module docstring), dequantized to ``dtype`` on read.
+    """
 
     def __init__(
         self,
@@ -49,6 +74,7 @@ class StaticKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        kv_spec: KVCacheSpec | None = None,
     ) -> None:
         if min(num_layers, num_slots, num_kv_heads, max_len, head_dim) < 1:
             raise ValueError(
@@ -56,23 +82,74 @@ class StaticKVCache:
                 f"kv_heads={num_kv_heads} max_len={max_len} head_dim={head_dim}"
             )
         shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        store = E4M3 if kv_spec is not None else dtype
+        self.k = torch.zeros(shape, dtype=store, device=device)
+        self.v = torch.zeros(shape, dtype=store, device=device)
+        self.k_scale = self.v_scale = None
+        if kv_spec is not None:
+            self.k_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+            self.v_scale = torch.zeros(shape[:-1], dtype=torch.float32, device=device)
         self.lengths = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.positions = torch.arange(max_len, device=device)  # (max_len,), for masks
-        self.num_slots, self.max_len = num_slots, max_len
+        self.num_slots, self.max_len, self.dtype, self.kv_spec = num_slots, max_len, dtype, kv_spec
+        self.use_decode_kernel = False  # decode views expose ``attend`` (module docstring); set by the engine
 
     @classmethod
     def for_model(
-        cls, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str
+        cls,
+        config: ModelConfig,
+        num_slots: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        kv_spec: KVCacheSpec | None = None,
     ) -> StaticKVCache:
         return cls(
-            config.num_hidden_layers, num_slots, config.num_key_value_heads, max_len, config.head_dim, dtype, device
+            config.num_hidden_layers, num_slots, config.num_key_value_heads, max_len, config.head_dim, dtype, device,
+            kv_spec,
         )
 
     @property
+    def is_fp8(self) -> bool:
+        return self.kv_spec is not None
+
+    @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        scales = self.k_scale.nbytes + self.v_scale.nbytes if self.is_fp8 else 0
+        return self.k.nbytes + self.v.nbytes + scales
+
+    # ------------------------------------------------------------------ storage format
+    def encode(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, Tensor]]:
+        """This call's k/v (B, Hkv, T, D) as stored, and as attention must read them.
+
+        Returns ``(stored, read)``: ``stored`` is (k, v) for a model-dtype cache, or (k codes as
+        uint8, v codes as uint8, k scales (B, Hkv, T), v scales) for an FP8 cache, in the order of
+        :meth:`storage`; ``read`` is (k, v) in the model dtype (dequantized for FP8).
+        """
+        if not self.is_fp8:
+            return (k, v), (k, v)
+        pow2 = self.kv_spec.pow2_scale
+        k_name, v_name = kv_names(layer_idx)
+        kq, vq = quantize_kv(k, pow2_scale=pow2, name=k_name), quantize_kv(v, pow2_scale=pow2, name=v_name)
+        k_codes, v_codes = kq.codes.view(k.shape), vq.codes.view(v.shape)
+        k_scales, v_scales = kq.scales.view(k.shape[:-1]), vq.scales.view(v.shape[:-1])
+        stored = (k_codes.view(torch.uint8), v_codes.view(torch.uint8), k_scales, v_scales)
+        return stored, (dequantize_kv(k_codes, k_scales, self.dtype), dequantize_kv(v_codes, v_scales, self.dtype))
+
+    def storage(self, layer_idx: int) -> tuple[Tensor, ...]:
+        """Layer ``layer_idx``'s writable buffers: (k, v), or (k codes uint8, v codes uint8, k_scale, v_scale)."""
+        if not self.is_fp8:
+            return self.k[layer_idx], self.v[layer_idx]
+        return (self.k[layer_idx].view(torch.uint8), self.v[layer_idx].view(torch.uint8),
+                self.k_scale[layer_idx], self.v_scale[layer_idx])
+
+    def read(self, layer_idx: int, num_rows: int) -> tuple[Tensor, Tensor]:
+        """K/V of slots [0, num_rows) to attend over, (num_rows, Hkv, max_len, D) in the model dtype."""
+        k, v = self.k[layer_idx, :num_rows], self.v[layer_idx, :num_rows]  # views, no copy
+        if not self.is_fp8:
+            return k, v
+        return (dequantize_kv(k, self.k_scale[layer_idx, :num_rows], self.dtype),
+                dequantize_kv(v, self.v_scale[layer_idx, :num_rows], self.dtype))
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, slots: Tensor, lengths: Tensor) -> PrefillView:
@@ -87,8 +164,11 @@ class StaticKVCache:
 
     def fork(self, src: Tensor, dst: Tensor, upto: int) -> None:
         """Copy positions [0, upto) of slots ``src[i]`` into slots ``dst[i]`` (all layers), and their lengths."""
-        self.k[:, dst, :, :upto] = self.k[:, src, :, :upto]
-        self.v[:, dst, :, :upto] = self.v[:, src, :, :upto]
+        buffers = [self.k, self.v]
+        if self.is_fp8:
+            buffers = [self.k.view(torch.uint8), self.v.view(torch.uint8), self.k_scale, self.v_scale]
+        for buf in buffers:
+            buf[:, dst, :, :upto] = buf[:, src, :, :upto]
         self.lengths[dst] = self.lengths[src]
 
     # ------------------------------------------------------------------ decode
@@ -119,28 +199,51 @@ class PrefillView:
         T = k.shape[2]  # k, v: (B, Hkv, T, D)
         if T > self.cache.max_len:
             raise ValueError(f"prefill of {T} positions exceeds the cache's max_len={self.cache.max_len}")
-        self.cache.k[layer_idx][self.slots, :, :T] = k
-        self.cache.v[layer_idx][self.slots, :, :T] = v
-        return k, v  # attend within the prompt only (causal)
+        stored, read = self.cache.encode(layer_idx, k, v)
+        for buf, value in zip(self.cache.storage(layer_idx), stored):
+            buf[self.slots, :, :T] = value
+        return read  # attend within the prompt only (causal), over what the cache holds
 
 
 class DecodeView:
-    """KVCache protocol for one decode step over slots [0, B): row s writes at position lengths[s]."""
+    """KVCache protocol for one decode step over slots [0, B): row s writes at position lengths[s].
+
+    ``attend`` is None unless the cache's ``use_decode_kernel`` is set (module docstring).
+    """
 
     def __init__(self, cache: StaticKVCache, num_rows: int) -> None:
         self.cache, self.num_rows = cache, num_rows
         self.offset = cache.max_len - 1  # the forward sees offset + T = max_len keys
         self._index: Tensor | None = None
+        self.attend = self._attend_fused if cache.use_decode_kernel else None
 
-    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        B, H, T, D = k.shape  # (B, Hkv, 1, D)
+    def _store(self, layer_idx: int, k: Tensor, v: Tensor) -> None:
+        """Write each row's k/v (B, Hkv, 1, D) at its own position lengths[s]; no host sync."""
+        B, H, T, D = k.shape
         if T != 1 or B != self.num_rows:
             raise ValueError(
                 f"a decode step takes one token for each of {self.num_rows} rows, got k of shape {tuple(k.shape)}"
             )
         if self._index is None:  # same for every layer: (B, Hkv, 1, D) copies of lengths[s]
             self._index = self.cache.lengths[:B].view(B, 1, 1, 1).expand(B, H, 1, D)
-        k_rows, v_rows = self.cache.k[layer_idx, :B], self.cache.v[layer_idx, :B]  # views, no copy
-        k_rows.scatter_(2, self._index, k)
-        v_rows.scatter_(2, self._index, v)
-        return k_rows, v_rows
+        stored, _ = self.cache.encode(layer_idx, k, v)
+        for buf, value in zip(self.cache.storage(layer_idx), stored):
+            rows = buf[:B]  # a view: (B, Hkv, max_len, D) data or (B, Hkv, max_len) scales
+            index = self._index if value.dim() == 4 else self._index[..., 0]
+            rows.scatter_(2, index, value)
+
+    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self._store(layer_idx, k, v)
+        return self.cache.read(layer_idx, self.num_rows)
+
+    def _attend_fused(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Store k/v, then the decode attention kernel over the cache rows: q (B, H, 1, D) -> (B, H, 1, D)."""
+        from jetrl.engine.decode_attention import decode_attention  # lazy: Triton, GPU only
+
+        self._store(layer_idx, k, v)
+        cache, B = self.cache, self.num_rows
+        k_scales = cache.k_scale[layer_idx, :B] if cache.is_fp8 else None
+        v_scales = cache.v_scale[layer_idx, :B] if cache.is_fp8 else None
+        out = decode_attention(q[:, :, 0], cache.k[layer_idx, :B], cache.v[layer_idx, :B], cache.lengths[:B],
+                               k_scales=k_scales, v_scales=v_scales, sm_scale=q.shape[-1] ** -0.5)
+        return out.unsqueeze(2)

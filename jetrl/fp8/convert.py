@@ -6,6 +6,12 @@ what Jet-RL and DeepSeek-V3 keep there: the embedding, the lm_head and the norms
 two are not ``nn.Linear`` in our models, the lm_head is, so it is skipped by name), MoE
 routers (``*.mlp.gate``), and any layer whose dims are not multiples of 16 (FP8 tensor
 cores need 16-aligned dims; such layers are tiny and not worth padding).
+
+A recipe with an FP8 KV cache in either phase (``jet_kv``, ``fp8kv_rollout``) also gets one
+:class:`~jetrl.fp8.kv_quant.KVQuant` per attention layer, set as ``Attention.kv_quant``: the
+model's KV hook then quantizes->dequantizes K/V wherever the recipe says so (kv_quant.py). This
+happens even when no linear layer is FP8 (``fp8kv_rollout``). :func:`model_recipe` reads the
+recipe back from a converted model; the engine uses it to pick its KV cache format.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from jetrl.fp8.kv_quant import KVQuant
 from jetrl.fp8.linear import Float8Linear
 from jetrl.fp8.recipe import Recipe, check_rollout_subgraph
 
@@ -36,9 +43,12 @@ def convert_to_float8(model: nn.Module, recipe: Recipe, module_filter: ModuleFil
     """Swap the filtered ``nn.Linear`` modules of ``model`` in place; return ``model``.
 
     Under ``bf16`` nothing is swapped. The parameters are shared, not copied, so optimizer
-    state built before or after the transform stays valid.
+    state built before or after the transform stays valid. FP8 KV recipes also install the
+    KV transform on every attention layer (module docstring), whatever the filter says.
     """
     check_rollout_subgraph(recipe)
+    if recipe.quantizes_kv:
+        install_kv_quant(model, recipe)
     if not (recipe.train.is_fp8 or recipe.rollout.is_fp8):
         return model
     targets = [(fqn, m) for fqn, m in model.named_modules() if fqn and type(m) is nn.Linear and module_filter(m, fqn)]
@@ -49,12 +59,48 @@ def convert_to_float8(model: nn.Module, recipe: Recipe, module_filter: ModuleFil
     return model
 
 
+def install_kv_quant(model: nn.Module, recipe: Recipe) -> int:
+    """Set ``kv_quant`` on every attention layer (the modules with a ``kv_quant`` slot); returns how many."""
+    layers = [m for m in model.modules() if hasattr(m, "kv_quant") and hasattr(m, "layer_idx")]
+    if not layers:
+        raise ValueError(
+            f"recipe {recipe.name!r} quantizes K/V but {type(model).__name__} has no attention layer with a "
+            "KV hook (a module with `kv_quant` and `layer_idx`, like jetrl.models.llama.Attention)"
+        )
+    for attn in layers:
+        attn.kv_quant = KVQuant(recipe, attn.layer_idx)
+    return len(layers)
+
+
 def float8_modules(model: nn.Module) -> dict[str, Float8Linear]:
     return {fqn: m for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
 
 
+def kv_quant_modules(model: nn.Module) -> dict[str, KVQuant]:
+    """Attention fqn -> its installed KV transform."""
+    return {fqn: m.kv_quant for fqn, m in model.named_modules() if isinstance(getattr(m, "kv_quant", None), KVQuant)}
+
+
+def model_recipe(model: nn.Module) -> Recipe | None:
+    """The recipe ``model`` was converted with (from its Float8Linear layers and KV transforms);
+    None for an unconverted model (or one converted under ``bf16``, which changes nothing)."""
+    recipes = {m.recipe for m in float8_modules(model).values()} | {t.recipe for t in kv_quant_modules(model).values()}
+    if len(recipes) > 1:
+        names = sorted(r.name for r in recipes)
+        raise ValueError(f"the model mixes recipes {names} across its layers; convert it once, with one recipe")
+    if not recipes:
+        return None
+    recipe = recipes.pop()
+    if recipe.quantizes_kv and not kv_quant_modules(model):
+        raise ValueError(
+            f"the model's linear layers carry recipe {recipe.name!r}, which quantizes K/V, but no attention "
+            "layer has its KV transform; convert with jetrl.fp8.convert_to_float8 (it installs both)"
+        )
+    return recipe
+
+
 def check_model_precision(model: nn.Module, recipe: Recipe) -> None:
-    """Raise if a converted layer carries a recipe other than the run's (a mixed graph)."""
+    """Raise if a converted layer or KV transform carries a recipe other than the run's (a mixed graph)."""
     check_rollout_subgraph(recipe)
     for fqn, module in float8_modules(model).items():
         if module.recipe != recipe:
@@ -62,6 +108,18 @@ def check_model_precision(model: nn.Module, recipe: Recipe) -> None:
                 f"{fqn} was converted with recipe {module.recipe.name!r} but the run uses {recipe.name!r}; "
                 "convert the model once, with the run's recipe"
             )
+    transforms = kv_quant_modules(model)
+    for fqn, transform in transforms.items():
+        if transform.recipe != recipe:
+            raise ValueError(
+                f"{fqn}.kv_quant was installed with recipe {transform.recipe.name!r} but the run uses "
+                f"{recipe.name!r}; convert the model once, with the run's recipe"
+            )
+    if recipe.quantizes_kv and not transforms:
+        raise ValueError(
+            f"recipe {recipe.name!r} quantizes K/V but the model has no KV transform; convert it with "
+            "jetrl.fp8.convert_to_float8(model, recipe)"
+        )
 
 
 def refresh_weight_caches(model: nn.Module) -> int:

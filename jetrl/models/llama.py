@@ -3,7 +3,8 @@
 Why: the RL stack needs a model it fully owns -- parameter names identical to HF
 ``transformers`` (so checkpoints map 1:1), every projection an ``nn.Linear`` module
 (so an FP8 transform can swap them), and one explicit place where K/V are produced
-(so an FP8 KV cache can quantize them there). No HF runtime dependency.
+(so an FP8 KV cache can quantize them there, and the trainer can see the same quantized K/V
+through ``Attention.kv_quant``). No HF runtime dependency.
 
 Math, per layer (pre-norm residual):
 
@@ -26,6 +27,7 @@ is (the rollout engine's static KV cache, whose rows have different lengths, bui
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -42,7 +44,12 @@ class KVCache(Protocol):
     of a forward call, before any ``update``. ``update(layer_idx, k, v)`` receives this
     call's keys/values as ``(B, num_kv_heads, T, head_dim)`` -- after RoPE and k-norm --
     stores them and returns the keys/values to attend over, ``(B, num_kv_heads, offset + T,
-    head_dim)``.
+    head_dim)``, in the model dtype. A cache that stores a lower precision (an FP8 cache)
+    returns what it stored, dequantized: attention sees exactly the cached values.
+
+    Optional: a cache may expose ``attend(layer_idx, q, k, v) -> (B, H, T, D)``, not None, to
+    store k/v *and* compute attention itself (a fused decode kernel that reads FP8 K/V
+    directly); the model then skips ``update`` and its own attention for that call.
     """
 
     offset: int
@@ -128,6 +135,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # A transform of the final K/V when no cache is attached, ``(k, v) -> (k, v)``: None in the
+        # pure model; the FP8 transform installs jetrl.fp8.kv_quant.KVQuant (quantize->dequantize).
+        self.kv_quant: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, kv_cache: KVCache | None = None
@@ -141,10 +151,17 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # KV hook: the single place where final K/V (post k-norm, post RoPE) exist.
-        # A cache stores them here (an FP8 cache quantizes here) and returns all K/V to attend over.
-        if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)
-        out = self._attend(q, k, v, mask)  # (B, H, T, D)
+        # A cache stores them here (an FP8 cache quantizes here) and returns all K/V to attend over;
+        # without a cache, ``kv_quant`` applies the same quantize->dequantize (FP8 KV recipes).
+        attend = getattr(kv_cache, "attend", None)  # optional fused path (KVCache docstring)
+        if attend is not None:
+            out = attend(self.layer_idx, q, k, v)  # (B, H, T, D): the cache's fused kernel
+        else:
+            if kv_cache is not None:
+                k, v = kv_cache.update(self.layer_idx, k, v)
+            elif self.kv_quant is not None:
+                k, v = self.kv_quant(k, v)
+            out = self._attend(q, k, v, mask)  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:

@@ -218,12 +218,13 @@ def load_pretrained(
 
 
 def recipe_from_name(name: str) -> Recipe:
-    """``"jet"``, ``"fp8_rollout"``, ``"bf16"``, or a ``"+pow2"`` variant (as ``Recipe.name`` spells it)."""
-    from jetrl.fp8.recipe import get_recipe
+    """A name of ``RECIPE_NAMES`` (``"jet"``, ``"jet_kv"``, ...), or its ``"+pow2"`` variant (as
+    ``Recipe.name`` spells it)."""
+    from jetrl.fp8.recipe import RECIPE_NAMES, get_recipe
 
     base, _, suffix = name.partition("+")
     if suffix not in ("", "pow2"):
-        raise ValueError(f"unknown recipe {name!r}; use bf16, fp8_rollout or jet, optionally with '+pow2'")
+        raise ValueError(f"unknown recipe {name!r}; use one of {', '.join(RECIPE_NAMES)}, optionally with '+pow2'")
     return get_recipe(base, pow2_scale=suffix == "pow2")
 
 

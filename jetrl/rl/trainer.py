@@ -4,7 +4,7 @@
 
     rollout       engine.generate on the trainer's own modules (precision_phase "rollout")  rollout.py
     old logprobs  recomputed by a no-grad trainer forward, or reused from the rollout (only
-                  for recipes whose rollout graph is the training graph, e.g. ``jet``)
+                  for recipes whose rollout graph is the training graph, ``jet`` and ``jet_kv``)
     mismatch      design.md §6 metrics: trainer vs rollout logprobs of the sampled tokens   metrics.py
     correction    TIS / MIS weights from old vs rollout logprobs (off by default)           correction.py
     update        num_iterations epochs of micro-batches: policy_loss (loss.py), gradient
@@ -34,8 +34,8 @@ from jetrl.fp8 import (
     check_model_precision,
     check_rollout_subgraph,
     convert_to_float8,
-    float8_modules,
     get_recipe,
+    model_recipe,
     refresh_weight_caches,
 )
 from jetrl.rewards import math_reward, resolve_reward_funcs
@@ -61,7 +61,7 @@ class GRPOTrainer:
         self.args, self.tokenizer = args, tokenizer
         self.recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
         self.policy_report = check_rollout_subgraph(self.recipe)  # raises for an undeclared off-policy flow
-        self.model = model if float8_modules(model) else convert_to_float8(model, self.recipe)
+        self.model = model if model_recipe(model) is not None else convert_to_float8(model, self.recipe)
         check_model_precision(self.model, self.recipe)
         self.old_logprobs_source = self._resolve_old_logprobs(args.old_logprobs)
         self.reward_funcs = resolve_reward_funcs(reward_funcs)

@@ -1,0 +1,230 @@
+"""Decode attention straight from the static KV cache, BF16 or FP8: one pending token per row.
+
+Why a kernel: at RL batch sizes the KV cache, not the weights, dominates decode bytes
+(design.md §5: at B=256 the per-step floor of an 8B model is 9.4 ms at 640 tokens of average
+context and 39.8 ms at 4K, most of it K/V). Two things waste those bytes in the SDPA path:
+
+* SDPA with a mask over the fixed-length static cache (kv_cache.py) reads all ``S = max_len``
+  positions of every row, whatever the row's length: with mixed lengths that is
+  ``S / mean(length)`` times the bytes that matter.
+* An FP8 cache must first be dequantized to a model-dtype copy, so its K/V bytes are read
+  once as codes, written once and read again in BF16: more traffic than a BF16 cache, not half.
+
+:func:`decode_attention` reads only positions ``0..lengths[b]`` of row ``b``, and reads FP8
+codes + scales directly (D + 4 bytes per token-head instead of 2 D), dequantizing in registers.
+
+Math (the spec is :func:`decode_attention_reference`). Query head ``h`` reads kv head
+``h // G``, ``G = H / Hkv`` (GQA, as SDPA's ``enable_gqa``). With ``n_b = lengths[b] + 1``::
+
+    K_hat, V_hat = K, V                                      model-dtype cache
+                 = rnd(f32(codes) * scales[..., None])       FP8 cache; rnd = RNE cast to q.dtype
+    s_j   = sm_scale * <q_h, K_hat_j>                        j < n_b, in fp32
+    out_h = sum_j softmax(s)_j V_hat_j                       in fp32, cast to q.dtype
+
+The dequantization is exactly :func:`jetrl.fp8.kv_quant.dequantize_kv`, including the one
+rounding to the model dtype: the trainer's forward sees K/V dequantized to the model dtype, so
+the rollout must too. The kernel (kernels/decode_attention_triton.py) computes the same sums
+flash-decoding style. It walks the positions in tiles of BLOCK_S with the online softmax, in
+the base-2 domain (``t_j = s_j log2 e``)::
+
+    m' = max(m, max_j t_j);   a = 2^(m - m');   l' = a l + sum_j 2^(t_j - m');
+    acc' = a acc + sum_j 2^(t_j - m') V_hat_j;   out = acc / l
+
+and, when the grid ``B * Hkv`` is too small to fill the GPU, splits each row's valid range
+into ``num_splits`` chunks whose partials ``(o_i = acc_i / l_i, lse_i = m_i + log2 l_i)`` are
+merged in a fixed order: ``out = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M)``, ``M = max_i lse_i``.
+
+Layout: q (B, H, D); k, v (B, Hkv, S, D) and scales (B, Hkv, S) are read through their strides,
+so the cache rows ``k_all[layer, :B]`` of a (L, slots, Hkv, S, D) tensor are passed without a copy.
+
+Numerics: products of two model-dtype values are exact in fp32, so the kernel differs from the
+reference only in fp32 summation order (and, in the kernel's P @ V, in splitting each fp32
+probability into two model-dtype terms: relative error ~2^-16). Expect outputs within one or two
+ulps of q.dtype (bf16: ~1e-2 absolute on O(1) outputs). Positions beyond ``lengths[b]`` are stale
+and may hold NaN/Inf: both implementations select them away (``where``), never multiply them by 0.
+A length outside [0, S-1] raises when ``lengths`` is on the CPU; on the GPU a check would be a
+host sync (CUDA graphs forbid it), so both implementations clamp it into that range instead.
+
+Backend: resolved once per device type -- CUDA with Triton runs the kernel, everything else the
+reference -- overridable with ``JETRL_DECODE_ATTENTION=reference|triton`` (read at the first call
+on a device type) or, for tests, :func:`use_decode_attention_backend`. Triton is imported lazily.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from jetrl.fp8.quant import E4M3
+
+MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DECODE_ATTENTION_BACKENDS = ("reference", "triton")
+
+
+def decode_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lengths: Tensor,
+    *,
+    k_scales: Tensor | None = None,
+    v_scales: Tensor | None = None,
+    sm_scale: float | None = None,
+) -> Tensor:
+    """The spec in plain PyTorch (module docstring): (B, H, D) in q.dtype. Reads all S positions.
+
+    Accumulates in fp32, or in fp64 for an fp32 q: the model's CPU attention does the same
+    (models/llama.py), which makes the rounded fp32 result independent of batch composition.
+    """
+    B, H, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if k.dtype == E4M3:  # jetrl.fp8.kv_quant.dequantize_kv, operation for operation
+        k = (k.float() * k_scales.unsqueeze(-1)).to(q.dtype)
+        v = (v.float() * v_scales.unsqueeze(-1)).to(q.dtype)
+    compute = torch.float64 if q.dtype == torch.float32 else torch.float32
+    scale = D**-0.5 if sm_scale is None else sm_scale
+    last = lengths.clamp(0, S - 1)
+    valid = (torch.arange(S, device=q.device)[None, :] <= last[:, None])[:, None, None, :]  # (B, 1, 1, S)
+    qg = q.reshape(B, Hkv, H // Hkv, D).to(compute)  # (B, Hkv, G, D): the G query heads of each kv head
+    scores = torch.matmul(qg, k.to(compute).transpose(-1, -2)) * scale  # (B, Hkv, G, S)
+    probs = torch.softmax(torch.where(valid, scores, float("-inf")), dim=-1)  # stale NaN selected away
+    v_valid = torch.where(valid.transpose(-1, -2), v.to(compute), 0.0)  # (B, Hkv, S, D); 0 * NaN never happens
+    return torch.matmul(probs, v_valid).reshape(B, H, D).to(q.dtype)
+
+
+def decode_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lengths: Tensor,
+    *,
+    k_scales: Tensor | None = None,
+    v_scales: Tensor | None = None,
+    sm_scale: float | None = None,
+) -> Tensor:
+    """Attention of each row's pending token over its cached keys ``0..lengths[b]`` (inclusive).
+
+    q (B, H, D) in the model dtype; k, v (B, Hkv, S, D), possibly strided views, in q.dtype or as
+    float8_e4m3fn codes with fp32 ``k_scales``/``v_scales`` (B, Hkv, S); lengths (B,) int64;
+    ``sm_scale`` defaults to 1/sqrt(D). Returns (B, H, D) in q.dtype. No host sync on the GPU.
+    """
+    _validate(q, k, v, lengths, k_scales, v_scales)
+    sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    impl = _implementation(decode_attention_backend(q.device), q.device)
+    return impl(q, k, v, lengths, k_scales=k_scales, v_scales=v_scales, sm_scale=sm_scale)
+
+
+# ---------------------------------------------------------------------------------------
+# Backend: one per device type, resolved once; the override is for tests and benches.
+_override: str | None = None
+
+
+@functools.cache
+def _default_backend(device_type: str) -> str:
+    env = os.environ.get("JETRL_DECODE_ATTENTION")
+    if env is not None and env not in DECODE_ATTENTION_BACKENDS:
+        raise ValueError(f"JETRL_DECODE_ATTENTION={env!r} is not a backend; use one of {DECODE_ATTENTION_BACKENDS}")
+    if env is not None:
+        return env
+    from jetrl.engine.kernels import has_triton
+
+    return "triton" if device_type == "cuda" and has_triton() else "reference"
+
+
+def decode_attention_backend(device: torch.device | str) -> str:
+    """The implementation :func:`decode_attention` runs on ``device``: "reference" or "triton"."""
+    return _override or _default_backend(torch.device(device).type)
+
+
+@contextlib.contextmanager
+def use_decode_attention_backend(name: str) -> Iterator[None]:
+    """Run :func:`decode_attention` with backend ``name`` inside the block, on every device (tests)."""
+    global _override
+    if name not in DECODE_ATTENTION_BACKENDS:
+        raise ValueError(f"{name!r} is not a decode attention backend; use one of {DECODE_ATTENTION_BACKENDS}")
+    previous, _override = _override, name
+    try:
+        yield
+    finally:
+        _override = previous
+
+
+def _implementation(backend: str, device: torch.device) -> Callable[..., Tensor]:
+    if backend == "reference":
+        return decode_attention_reference
+    from jetrl.engine.kernels import has_triton
+
+    if not has_triton():
+        raise RuntimeError("decode attention backend 'triton' needs Triton: pip install triton, or use 'reference'")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise RuntimeError(
+            f"decode attention backend 'triton' needs CUDA tensors, got {device.type}; "
+            "set TRITON_INTERPRET=1 (before importing triton) to run the kernel on the CPU"
+        )
+    from jetrl.engine.kernels.decode_attention_triton import decode_attention_triton
+
+    return decode_attention_triton
+
+
+# ---------------------------------------------------------------------------------------
+def _validate(
+    q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scales: Tensor | None, v_scales: Tensor | None
+) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v), ("lengths", lengths)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"decode_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dtype not in MODEL_DTYPES:
+        raise TypeError(f"decode_attention: q must be bfloat16, float16 or float32 (the model dtype), got {q.dtype}")
+    if q.dim() != 3 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(
+            "decode_attention expects q (B, H, D) -- the single pending token, e.g. q[:, :, 0] of (B, H, 1, D) -- "
+            f"and k, v (B, Hkv, S, D) of one shape; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    (B, H, D), (Bk, Hkv, S, Dk) = q.shape, k.shape
+    if Bk != B or Dk != D or Hkv == 0 or H % Hkv or S == 0:
+        raise ValueError(
+            f"decode_attention: q (B={B}, H={H}, D={D}) and k/v (B={Bk}, Hkv={Hkv}, S={S}, D={Dk}) must agree on "
+            "B and D, with S >= 1 and H a multiple of Hkv (query head h reads kv head h // (H // Hkv))"
+        )
+    if lengths.shape != (B,) or lengths.dtype not in (torch.int64, torch.int32):
+        raise ValueError(
+            f"decode_attention: lengths must be (B,) = ({B},) int64 (row b attends to 0..lengths[b]), "
+            f"got {lengths.dtype} {tuple(lengths.shape)}"
+        )
+    devices = {t.device for t in (q, k, v, lengths, k_scales, v_scales) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"decode_attention: all tensors must be on one device, got {sorted(map(str, devices))}")
+    if k.dtype != v.dtype:
+        raise TypeError(f"decode_attention: k and v must share a dtype, got k {k.dtype} and v {v.dtype}")
+    if k.dtype == E4M3:
+        for name, s in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if s is None:
+                raise ValueError(f"decode_attention: an FP8 cache needs {name} (B, Hkv, S) fp32; got None")
+            if s.dtype != torch.float32 or s.shape != k.shape[:3]:
+                raise ValueError(
+                    f"decode_attention: {name} must be fp32 {tuple(k.shape[:3])} (one scale per token per kv head), "
+                    f"got {s.dtype} {tuple(s.shape)}"
+                )
+    elif k.dtype == q.dtype:
+        if k_scales is not None or v_scales is not None:
+            raise ValueError(
+                f"decode_attention: k_scales/v_scales are for an FP8 (float8_e4m3fn) cache; this cache is {k.dtype}, "
+                "so pass None"
+            )
+    else:
+        raise TypeError(
+            f"decode_attention: k/v must be in q's dtype {q.dtype} or float8_e4m3fn codes (view uint8 codes with "
+            f".view(torch.float8_e4m3fn)), got {k.dtype}"
+        )
+    if lengths.device.type == "cpu" and bool(((lengths < 0) | (lengths >= S)).any()):
+        raise ValueError(
+            f"decode_attention: lengths must lie in [0, S-1] = [0, {S - 1}] (the pending token's K/V sits at "
+            f"position lengths[b]), got min {int(lengths.min())}, max {int(lengths.max())}"
+        )

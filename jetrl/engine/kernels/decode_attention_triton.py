@@ -1,0 +1,279 @@
+"""Triton flash-decoding over the static KV cache; its spec is
+:func:`jetrl.engine.decode_attention.decode_attention_reference` (the math is in that module).
+
+Grid and tiles. One program per (row b, kv head, split) handles all ``G = H / Hkv`` query heads
+of its kv head together, so each K/V tile is loaded from HBM once, not G times. The G query rows
+are padded to BLOCK_G = max(16, next_pow2(G)) so both products run on tensor cores (tl.dot needs
+M, N, K >= 16; at M = 16 Triton emits mma.sync, not wgmma). The padding is free because decode is
+memory-bound: G = 4 (H = 32, Hkv = 8) is 4 useful FLOPs per byte of BF16 K/V, 24 as issued with the
+padding and the hi/lo split below, against the ~200 FLOPs per byte of HBM that Hopper's tensor
+cores sustain. A broadcast multiply + sum on CUDA cores would spend fp32 FMAs at a similar ratio,
+which FP8 K/V (twice the positions per byte) would push close to the FMA limit.
+
+    q       (BLOCK_G, BLOCK_D)   loaded once, model dtype
+    for tiles of BLOCK_S positions in [start, end):
+        K_hat   (BLOCK_S, BLOCK_D)   model dtype (FP8: codes -> fp32 * per-token scale -> RNE cast)
+        t       = (q @ K_hat^T) * sm_scale * log2(e)            (BLOCK_G, BLOCK_S) fp32
+        online softmax update of (m, l, acc) in fp32            (base 2, module docstring)
+        V_hat   (BLOCK_S, BLOCK_D);  acc += P @ V_hat           P split as hi + lo in the model dtype
+
+The loop runs to the row's own end, ``lengths[b] + 1`` read inside the kernel, never to S: the
+stale tail of the static cache costs no bytes, and with no host sync the launch is CUDA-graph
+capturable. Masked loads return 0 and masked logits are set to -inf by ``where``, so stale
+NaN/Inf never enter the arithmetic.
+
+Splits. With ``B * Hkv`` programs too few to fill the GPU (small batches, long rows), each
+row's valid range is cut into ``num_splits`` chunks of ``ceil(ceil(n / num_splits) / BLOCK_S)``
+tiles; split i writes ``o_i = acc_i / l_i`` and ``lse_i = m_i + log2 l_i`` into fp32 scratch
+(B, H, num_splits, D) and (B, H, num_splits), and a second kernel merges the used splits in a
+fixed order. :func:`choose_num_splits` picks the count from shapes only (at least 4 programs per SM,
+each split at least 2 tiles long), so a given shape always gives the same bits. A row's bits do
+depend on ``num_splits``, hence on the batch size; pass ``num_splits`` to pin them.
+
+Numerics. Both products multiply model-dtype values exactly and accumulate in fp32. P @ V uses
+P = hi + lo (both in the model dtype; P - hi is exact in fp32), two tensor-core products that
+keep ~16 bits of each probability instead of the 8 of a plain BF16 cast. fp32 models use IEEE
+fp32 dots. The dequantization rounds to the model dtype with the hardware RNE cast on the GPU.
+
+Interpreter (TRITON_INTERPRET=1, the CPU tests): its tl.dot multiplies the raw uint16 storage of
+bf16 operands and its fp32 -> bf16 cast truncates, so with EMULATE the dots are taken in IEEE
+fp32 on the same (exactly upcast) operands and the bf16 rounding is done on the fp32 bits. Same
+values as the GPU path, up to summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from jetrl.fp8.quant import E4M3
+
+LOG2E = 1.4426950408889634
+PROGRAMS_PER_SM = 4  # split rule: grid of >= 4 programs per SM (loads in flight, fewer idle SMs in the last wave)
+MIN_SPLIT_TILES = 2  # a split covers at least this many BLOCK_S tiles of the longest possible row
+MAX_SPLITS = 32
+DEFAULT_NUM_SMS = 132  # H100 / H200; used off-GPU (interpreter)
+BF16_KEEP_C = tl.constexpr(-65536)  # 0xFFFF0000 as int32: sign, exponent and 7 mantissa bits
+_EMULATE = bool(triton.knobs.runtime.interpret)  # as triton.jit itself decides, at import
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _round_to(x, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """fp32 -> DTYPE, round to nearest even (the spec's ``.to(q.dtype)``)."""
+    if DTYPE == tl.bfloat16 and EMULATE:
+        # The interpreter truncates: round the fp32 bits to 7 mantissa bits (a carry into the
+        # exponent is the correct round-up; Inf stays Inf, NaN is passed through), then cast exactly.
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & BF16_KEEP_C).to(tl.float32, bitcast=True)
+        return tl.where(x != x, x, rounded).to(DTYPE)
+    else:
+        return x.to(DTYPE)  # LLVM fptrunc: RNE (the interpreter's fp16 cast is numpy's, RNE too)
+
+
+@triton.jit
+def _dot(a, b, EMULATE: tl.constexpr):
+    """a @ b with fp32 accumulation: tensor cores for bf16/fp16, IEEE fp32 for fp32 (and EMULATE)."""
+    if EMULATE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _load_kv(row_ptr, scale_row_ptr, pos, offs_d, stride_s, stride_d, stride_scale, s_mask, d_mask,
+             DTYPE: tl.constexpr, IS_FP8: tl.constexpr, EMULATE: tl.constexpr):
+    """A (BLOCK_S, BLOCK_D) tile of K or V in DTYPE; masked (stale or padded) entries are 0."""
+    x = tl.load(row_ptr + pos[:, None] * stride_s + offs_d[None, :] * stride_d,
+                mask=s_mask[:, None] & d_mask[None, :], other=0)
+    if IS_FP8:  # uint8 codes -> e4m3 -> fp32, times the token's scale, one rounding (kv_quant.dequantize_kv)
+        scale = tl.load(scale_row_ptr + pos * stride_scale, mask=s_mask, other=0.0)
+        x = _round_to(x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None], DTYPE, EMULATE)
+    return x
+
+
+@triton.jit
+def _attend_tile(q, m, l, acc, tile_start, end, offs_s, offs_d, d_mask, qk_scale,
+                 k_row, ks_row, stride_ks, stride_kd, stride_kss, v_row, vs_row, stride_vs, stride_vd, stride_vss,
+                 DTYPE: tl.constexpr, IS_FP8: tl.constexpr, EMULATE: tl.constexpr):
+    """One BLOCK_S tile of the online softmax: returns the updated (m, l, acc)."""
+    pos = tile_start + offs_s
+    s_mask = pos < end
+    k = _load_kv(k_row, ks_row, pos, offs_d, stride_ks, stride_kd, stride_kss, s_mask, d_mask, DTYPE, IS_FP8, EMULATE)
+    t = _dot(q, tl.trans(k), EMULATE) * qk_scale  # (BLOCK_G, BLOCK_S) base-2 logits
+    t = tl.where(s_mask[None, :], t, float("-inf"))
+    m_new = tl.maximum(m, tl.max(t, axis=1))  # finite: every tile holds a valid position
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(t - m_new[:, None])
+    v = _load_kv(v_row, vs_row, pos, offs_d, stride_vs, stride_vd, stride_vss, s_mask, d_mask, DTYPE, IS_FP8, EMULATE)
+    if DTYPE == tl.float32:
+        pv = _dot(p, v, EMULATE)
+    else:  # p = hi + lo, both in DTYPE; p - hi is exact in fp32 (module docstring)
+        p_hi = p.to(DTYPE)
+        p_lo = (p - p_hi.to(tl.float32)).to(DTYPE)
+        pv = _dot(p_hi, v, EMULATE) + _dot(p_lo, v, EMULATE)
+    return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _split_chunk(n_valid, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Positions per split of a row with n_valid keys: a whole number of tiles."""
+    return tl.cdiv(tl.cdiv(n_valid, NUM_SPLITS), BLOCK_S) * BLOCK_S
+
+
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr, k_ptr, v_ptr, k_scales_ptr, v_scales_ptr, lengths_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    num_kv_heads, S, D, qk_scale, stride_lb,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_ksb, stride_ksh, stride_kss,
+    stride_vsb, stride_vsh, stride_vss,
+    stride_ob, stride_oh, stride_od,
+    G: tl.constexpr, DTYPE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr, EMULATE: tl.constexpr,
+):
+    pid, split = tl.program_id(0), tl.program_id(1)
+    b = (pid // num_kv_heads).to(tl.int64)  # int64: b * stride_kb can pass 2^31 on a large cache
+    kv_head = (pid % num_kv_heads).to(tl.int64)
+    # keys 0..lengths[b]; clamped so that a bad length can never read outside the row
+    n_valid = (tl.minimum(tl.maximum(tl.load(lengths_ptr + b * stride_lb), 0), S - 1) + 1).to(tl.int32)
+    chunk = _split_chunk(n_valid, NUM_SPLITS, BLOCK_S)
+    start = split * chunk
+    end = tl.minimum(start + chunk, n_valid)  # start >= end: an unused split, no loop, no store
+
+    offs_g, offs_s, offs_d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+    g_mask, d_mask = offs_g < G, offs_d < D
+    heads = kv_head * G + offs_g  # query heads of this kv head
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_G, BLOCK_D)
+    k_row = k_ptr + b * stride_kb + kv_head * stride_kh
+    v_row = v_ptr + b * stride_vb + kv_head * stride_vh
+    ks_row = k_scales_ptr + b * stride_ksb + kv_head * stride_ksh
+    vs_row = v_scales_ptr + b * stride_vsb + kv_head * stride_vsh
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of base-2 logits
+    l = tl.zeros([BLOCK_G], tl.float32)  # running sum of 2^(t - m)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)  # running sum of 2^(t - m) V_hat
+    if EMULATE:  # the interpreter cannot take a loaded scalar as a range() bound (its int() fails on numpy 2.4)
+        tile_start = start
+        while tile_start < end:
+            m, l, acc = _attend_tile(q, m, l, acc, tile_start, end, offs_s, offs_d, d_mask, qk_scale,
+                                     k_row, ks_row, stride_ks, stride_kd, stride_kss,
+                                     v_row, vs_row, stride_vs, stride_vd, stride_vss, DTYPE, IS_FP8, EMULATE)
+            tile_start += BLOCK_S
+    else:  # a for loop, so that Triton software-pipelines the K/V loads (num_stages)
+        for tile_start in range(start, end, BLOCK_S):
+            m, l, acc = _attend_tile(q, m, l, acc, tile_start, end, offs_s, offs_d, d_mask, qk_scale,
+                                     k_row, ks_row, stride_ks, stride_kd, stride_kss,
+                                     v_row, vs_row, stride_vs, stride_vd, stride_vss, DTYPE, IS_FP8, EMULATE)
+
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        out = _round_to(acc / l[:, None], DTYPE, EMULATE)
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od, out,
+                 mask=out_mask)
+    else:
+        used = start < end
+        l_safe = tl.where(l > 0, l, 1.0)  # l >= 1 in a used split; avoids 0/0 in an unused one
+        part = (b * num_kv_heads * G + heads) * NUM_SPLITS + split  # scratch is (B, H, NUM_SPLITS[, D])
+        tl.store(part_lse_ptr + part, m + tl.log2(l_safe), mask=g_mask & used)
+        tl.store(part_out_ptr + part[:, None] * D + offs_d[None, :], acc / l_safe[:, None], mask=out_mask & used)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr, part_lse_ptr, lengths_ptr, out_ptr, H, S, D, stride_lb, stride_ob, stride_oh, stride_od,
+    DTYPE: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """One program per (b, h): out = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M) over the used splits."""
+    pid = tl.program_id(0).to(tl.int64)  # b * H + h
+    b, h = pid // H, pid % H
+    n_valid = (tl.minimum(tl.maximum(tl.load(lengths_ptr + b * stride_lb), 0), S - 1) + 1).to(tl.int32)
+    num_used = tl.cdiv(n_valid, _split_chunk(n_valid, NUM_SPLITS, BLOCK_S))  # as in the first kernel
+    offs_i, offs_d = tl.arange(0, SPLITS_P2), tl.arange(0, BLOCK_D)
+    used, d_mask = offs_i < num_used, offs_d < D
+    part = pid * NUM_SPLITS + offs_i
+    lse = tl.load(part_lse_ptr + part, mask=used, other=float("-inf"))  # unused splits were never written
+    w = tl.exp2(lse - tl.max(lse, axis=0))  # (SPLITS_P2,); 0 for unused splits (lse = -inf)
+    o = tl.load(part_out_ptr + part[:, None] * D + offs_d[None, :], mask=used[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od, _round_to(out, DTYPE, EMULATE), mask=d_mask)
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, block_s: int, num_sms: int) -> int:
+    """Splits per row, from shapes only: at least PROGRAMS_PER_SM programs per SM when the rows are long
+    enough, each split >= MIN_SPLIT_TILES tiles of the longest possible row, at most MAX_SPLITS.
+
+    On 132 SMs: B=256, Hkv=8 (2048 programs) -> 1, no merge; B=64 -> 2; B=16 -> 5; B=1, S=4096 -> 32.
+    """
+    programs = batch * num_kv_heads
+    by_occupancy = triton.cdiv(PROGRAMS_PER_SM * num_sms, programs)
+    by_length = max(1, max_len // (MIN_SPLIT_TILES * block_s))
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_NUM_SMS
+
+
+def decode_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    sm_scale: float | None = None,
+    block_s: int = 64,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Same signature and result as ``decode_attention_reference``: (B, H, D) in q.dtype.
+
+    ``block_s``, ``num_splits`` (None: :func:`choose_num_splits`), ``num_warps`` and ``num_stages``
+    exist for the bench's sweep. Inputs are validated by the public ``decode_attention``.
+    """
+    B, H, D = q.shape
+    _, Hkv, S, _ = k.shape
+    is_fp8 = k.dtype == E4M3
+    assert k.shape == v.shape == (B, Hkv, S, D) and H % Hkv == 0, (q.shape, k.shape, v.shape)
+    assert k.dtype == v.dtype and (is_fp8 or k.dtype == q.dtype) and (k_scales is not None) == is_fp8
+    assert block_s >= 16 and block_s & (block_s - 1) == 0, block_s
+    sm_scale = D**-0.5 if sm_scale is None else sm_scale
+    if num_splits is None:
+        num_splits = choose_num_splits(B, Hkv, S, block_s, _num_sms(q.device))
+    out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
+    if num_splits > 1:
+        part_out = torch.empty((B, H, num_splits, D), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((B, H, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # not written
+    if is_fp8:
+        k, v = k.view(torch.uint8), v.view(torch.uint8)  # same strides; the kernel bitcasts to e4m3
+        ks, vs, ks_strides, vs_strides = k_scales, v_scales, k_scales.stride(), v_scales.stride()
+    else:
+        ks, vs, ks_strides, vs_strides = lengths, lengths, (0, 0, 0), (0, 0, 0)  # placeholders, never read
+    G, dtype = H // Hkv, _TL_DTYPES[q.dtype]
+    block_d = max(16, triton.next_power_of_2(D))
+    _decode_attention_kernel[(B * Hkv, num_splits)](
+        q, k, v, ks, vs, lengths, out, part_out, part_lse,
+        Hkv, S, D, sm_scale * LOG2E, lengths.stride(0),
+        *q.stride(), *k.stride(), *v.stride(), *ks_strides, *vs_strides, *out.stride(),
+        G=G, DTYPE=dtype, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_S=block_s, BLOCK_D=block_d,
+        NUM_SPLITS=num_splits, IS_FP8=is_fp8, EMULATE=_EMULATE, num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(B * H,)](
+            part_out, part_lse, lengths, out, H, S, D, lengths.stride(0), *out.stride(),
+            DTYPE=dtype, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits), BLOCK_S=block_s,
+            BLOCK_D=block_d, EMULATE=_EMULATE, num_warps=4,
+        )
+    return out

@@ -1,0 +1,280 @@
+"""decode_attention: the reference against SDPA (the model's attention), the Triton kernel against the
+reference under TRITON_INTERPRET=1 on CPU, its GPU branches compiled for sm_90 (no GPU needed), input
+validation and backend selection.
+
+The cache is built as the engine holds it: rows ``k_all[layer, :B]`` of a (L, slots, Hkv, S, D) tensor
+(scales (L, slots, Hkv, S)), with every position the call may not read -- beyond lengths[b], other
+layers, other slots -- poisoned with NaN (K) and Inf (V), or NaN codes and scales for FP8.
+
+Tolerances (atol, rtol), kernel vs reference and reference vs SDPA: bf16 (1e-2, 2^-7), fp16 (1e-3,
+2^-10), i.e. one ulp of the output dtype (both compute in fp32 and differ in summation order only,
+then round once), fp32 (1e-5, 1e-5) (the kernel sums in fp32, the reference in fp64). Outputs are
+O(1) averages of N(0, 4) values. A row with length 0 attends to position 0 alone, so it must equal
+V_hat[b, :, 0] exactly.
+"""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from jetrl.engine.decode_attention import (
+    _default_backend,
+    decode_attention,
+    decode_attention_backend,
+    decode_attention_reference,
+    use_decode_attention_backend,
+)
+from jetrl.fp8.quant import E4M3
+
+ROOT = Path(__file__).resolve().parents[1]
+TOLERANCE = {torch.bfloat16: {"atol": 1e-2, "rtol": 2**-7}, torch.float16: {"atol": 1e-3, "rtol": 2**-10},
+             torch.float32: {"atol": 1e-5, "rtol": 1e-5}}
+
+
+def make_inputs(B, H, Hkv, S, D, lengths, dtype, fp8, *, stale_k=float("nan"), stale_v=float("inf"), seed=0):
+    """q (B, H, D) strided, k/v (B, Hkv, S, D) views of a (2, B+2, Hkv, S, D) cache, scales, lengths."""
+    g = torch.Generator().manual_seed(seed)
+    num_layers, num_slots, layer = 2, B + 2, 1
+    q = torch.randn(B, H, 2, D, generator=g).to(dtype)[:, :, 0]  # a strided view, like q[:, :, 0] in kv_cache
+    lengths = torch.tensor(lengths, dtype=torch.int64)
+    readable = torch.zeros(num_layers, num_slots, Hkv, S, dtype=torch.bool)  # what this call may read
+    readable[layer, :B] = (torch.arange(S)[None, :] <= lengths[:, None])[:, None, :]
+
+    def cache(stale):
+        hp = torch.randn(num_layers, num_slots, Hkv, S, D, generator=g) * 2
+        if not fp8:
+            x = hp.to(dtype)
+            x[~readable] = stale
+            return x[layer, :B], None
+        scales = hp.abs().amax(-1) / 448  # one scale per token per kv head; not a power of two
+        codes = (hp / scales[..., None]).clamp(-448, 448).to(E4M3)
+        codes.view(torch.uint8)[~readable] = 0x7E if math.isfinite(stale) else 0x7F  # 448 or NaN
+        scales[~readable] = stale
+        return codes[layer, :B], scales[layer, :B]
+
+    (k, k_scales), (v, v_scales) = cache(stale_k), cache(stale_v)
+    return q, k, v, lengths, k_scales, v_scales
+
+
+def dequantized(x, scales, dtype):
+    return x if scales is None else (x.float() * scales[..., None]).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
+def test_reference_matches_sdpa_over_the_dequantized_cache(dtype, fp8, heads):
+    H, Hkv = heads
+    S, D = 24, 64
+    q, k, v, lengths, ks, vs = make_inputs(3, H, Hkv, S, D, [0, 23, 9], dtype, fp8, stale_k=7.0, stale_v=-5.0)
+    out = decode_attention_reference(q, k, v, lengths, k_scales=ks, v_scales=vs)
+    k_hat, v_hat = dequantized(k, ks, dtype), dequantized(v, vs, dtype)
+    mask = (torch.arange(S)[None, :] <= lengths[:, None])[:, None, None, :]  # (B, 1, 1, S), as kv_cache.decode_mask
+    compute = torch.float64 if dtype == torch.float32 else dtype  # the model attends in fp64 for fp32 on CPU
+    expected = F.scaled_dot_product_attention(
+        q[:, :, None].to(compute), k_hat.to(compute), v_hat.to(compute), attn_mask=mask, enable_gqa=H != Hkv
+    )[:, :, 0].to(dtype)
+    assert out.dtype == dtype and out.shape == q.shape
+    tolerance = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else TOLERANCE[dtype]  # fp64 on both sides
+    torch.testing.assert_close(out, expected, **tolerance)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_reference_never_reads_stale_positions(fp8):
+    args = (4, 8, 2, 16, 64, [0, 15, 3, 7], torch.bfloat16, fp8)
+    q, k, v, lengths, ks, vs = make_inputs(*args)  # NaN/Inf beyond lengths
+    out = decode_attention_reference(q, k, v, lengths, k_scales=ks, v_scales=vs)
+    q2, k2, v2, _, ks2, vs2 = make_inputs(*args, stale_k=0.0, stale_v=0.0)  # same live values, clean tail
+    assert torch.equal(out, decode_attention_reference(q2, k2, v2, lengths, k_scales=ks2, v_scales=vs2))
+    assert not out.isnan().any()
+    v_hat = dequantized(v, vs, torch.bfloat16)
+    assert torch.equal(out[0], v_hat[0, :, 0].repeat_interleave(4, dim=0))  # length 0: position 0 only
+
+
+def test_public_function_runs_the_reference_on_cpu():
+    q, k, v, lengths, ks, vs = make_inputs(2, 8, 2, 16, 64, [5, 15], torch.bfloat16, True)
+    assert decode_attention_backend("cpu") == "reference"
+    out = decode_attention(q, k, v, lengths, k_scales=ks, v_scales=vs)
+    assert torch.equal(out, decode_attention_reference(q, k, v, lengths, k_scales=ks, v_scales=vs, sm_scale=64**-0.5))
+    out = decode_attention(q, k, v, lengths, k_scales=ks, v_scales=vs, sm_scale=0.0625)
+    assert torch.equal(out, decode_attention_reference(q, k, v, lengths, k_scales=ks, v_scales=vs, sm_scale=0.0625))
+
+
+def _bad_inputs():
+    """(error match, (q, k, v, lengths), scale kwargs) of calls that must raise."""
+    q, k, v, lengths, ks, vs = make_inputs(2, 8, 2, 16, 64, [5, 15], torch.bfloat16, True)
+    qb, kb, vb, _, _, _ = make_inputs(2, 8, 2, 16, 64, [5, 15], torch.bfloat16, False)
+    k6, v6 = kb[:, :1].expand(2, 4, 16, 64), vb[:, :1].expand(2, 4, 16, 64)
+    scales = {"k_scales": ks, "v_scales": vs}
+    return [
+        ("q must be bfloat16", (q.double(), kb, vb, lengths), {}),
+        ("expects q \\(B, H, D\\)", (qb[:, None], kb, vb, lengths), {}),
+        ("of one shape", (qb, kb, vb[:, :, :8], lengths), {}),
+        ("H a multiple of Hkv", (qb[:, :6], k6, v6, lengths), {}),
+        ("must agree on B and D", (qb[:1], kb, vb, lengths[:1]), {}),
+        ("lengths must be \\(B,\\)", (qb, kb, vb, lengths.float()), {}),
+        ("lengths must be \\(B,\\)", (qb, kb, vb, lengths[:1]), {}),
+        ("lengths must lie in \\[0, S-1\\]", (qb, kb, vb, torch.tensor([5, 16])), {}),
+        ("lengths must lie in \\[0, S-1\\]", (qb, kb, vb, torch.tensor([-1, 3])), {}),
+        ("k and v must share a dtype", (qb, k, vb, lengths), scales),
+        ("in q's dtype .* or float8_e4m3fn", (qb.half(), kb, vb, lengths), {}),
+        ("in q's dtype .* or float8_e4m3fn", (qb, k.view(torch.uint8), v.view(torch.uint8), lengths), scales),
+        ("needs k_scales", (q, k, v, lengths), {"v_scales": vs}),
+        ("needs v_scales", (q, k, v, lengths), {"k_scales": ks}),
+        ("k_scales must be fp32 \\(2, 2, 16\\)", (q, k, v, lengths), {**scales, "k_scales": ks.bfloat16()}),
+        ("v_scales must be fp32 \\(2, 2, 16\\)", (q, k, v, lengths), {**scales, "v_scales": vs[..., :8]}),
+        ("are for an FP8 .* cache; this cache is torch.bfloat16", (qb, kb, vb, lengths), {"k_scales": ks}),
+        ("must be a torch.Tensor", (qb, kb, vb, [5, 15]), {}),
+    ]
+
+
+@pytest.mark.parametrize("match,args,kwargs", _bad_inputs(), ids=lambda x: x if isinstance(x, str) else None)
+def test_bad_inputs_raise_actionable_errors(match, args, kwargs):
+    with pytest.raises((ValueError, TypeError), match=match):
+        decode_attention(*args, **kwargs)
+
+
+def test_backend_selection(monkeypatch):
+    with use_decode_attention_backend("triton"):
+        assert decode_attention_backend("cpu") == "triton"
+        with use_decode_attention_backend("reference"):
+            assert decode_attention_backend("cuda") == "reference"
+        assert decode_attention_backend("cpu") == "triton"
+        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):  # CPU tensors need the interpreter
+            q, k, v, lengths, _, _ = make_inputs(1, 4, 4, 8, 64, [3], torch.bfloat16, False)
+            with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1|needs Triton"):
+                decode_attention(q, k, v, lengths)
+    assert decode_attention_backend("cpu") == "reference"
+    with pytest.raises(ValueError, match="not a decode attention backend"), use_decode_attention_backend("flash"):
+        pass
+    monkeypatch.setenv("JETRL_DECODE_ATTENTION", "flash")
+    _default_backend.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="JETRL_DECODE_ATTENTION='flash'"):
+            decode_attention_backend("cpu")
+        monkeypatch.setenv("JETRL_DECODE_ATTENTION", "reference")
+        _default_backend.cache_clear()
+        assert decode_attention_backend("cuda") == "reference"
+    finally:
+        _default_backend.cache_clear()
+
+
+def test_num_splits_rule():
+    pytest.importorskip("triton")
+    from jetrl.engine.kernels.decode_attention_triton import choose_num_splits
+
+    assert choose_num_splits(256, 8, 4096, 64, 132) == 1  # 2048 programs fill 132 SMs: no split, no merge
+    assert choose_num_splits(128, 8, 4096, 64, 132) == 1
+    assert choose_num_splits(64, 8, 4096, 64, 132) == 2
+    assert choose_num_splits(16, 8, 4096, 64, 132) == 5
+    assert choose_num_splits(1, 8, 4096, 64, 132) == 32  # capped at MAX_SPLITS
+    assert choose_num_splits(1, 8, 256, 64, 132) == 2  # each split >= 2 tiles of the longest row
+    assert choose_num_splits(1, 8, 64, 64, 132) == 1
+
+
+def test_gpu_branches_compile_for_hopper():
+    """The interpreter runs the kernels' EMULATE branches; this compiles the GPU branches (tensor-core
+    dots, hardware casts, the software-pipelined loop) for sm_90 with Triton's bundled ptxas, no GPU."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from jetrl.engine.kernels import decode_attention_triton as kernels
+
+    def compile_sm90(fn, constexprs, pointers):
+        def arg_type(name):
+            if name in constexprs:
+                return "constexpr"
+            return pointers.get(name, "*fp32") if name.endswith("_ptr") else "fp32" if name == "qk_scale" else "i32"
+
+        signature = {name: arg_type(name) for name in fn.arg_names}
+        options = {"num_warps": 4, "num_stages": 2}
+        return triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
+
+    for is_fp8, num_splits in ((False, 1), (True, 4)):
+        cache = "*u8" if is_fp8 else "*bf16"
+        constexprs = {"G": 4, "DTYPE": tl.bfloat16, "BLOCK_G": 16, "BLOCK_S": 64, "BLOCK_D": 128,
+                      "NUM_SPLITS": num_splits, "IS_FP8": is_fp8, "EMULATE": False}
+        pointers = {"q_ptr": "*bf16", "out_ptr": "*bf16", "lengths_ptr": "*i64", "k_ptr": cache, "v_ptr": cache}
+        compiled = compile_sm90(kernels._decode_attention_kernel, constexprs, pointers)
+        assert "mma.sync" in compiled.asm["ptx"] and compiled.asm["cubin"]
+    constexprs = {"DTYPE": tl.bfloat16, "NUM_SPLITS": 4, "SPLITS_P2": 4, "BLOCK_S": 64, "BLOCK_D": 128,
+                  "EMULATE": False}
+    merge = compile_sm90(kernels._merge_splits_kernel, constexprs, {"lengths_ptr": "*i64", "out_ptr": "*bf16"})
+    assert merge.asm["cubin"]
+
+
+KERNEL_SCRIPT = r"""
+import time
+import torch
+from jetrl.engine.decode_attention import decode_attention, decode_attention_reference, use_decode_attention_backend
+from jetrl.engine.kernels.decode_attention_triton import decode_attention_triton
+from tests.test_decode_attention import TOLERANCE, dequantized, make_inputs
+
+S = 80  # not a multiple of any BLOCK_S below: the last tile of a long row is partial
+LENGTHS = [0, S - 1, S - 2, 37, 15]  # length 0 (position 0 only), lengths near S, a tile boundary
+bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+CASES = [  # dtype, fp8 cache, H, Hkv, D, num_splits, block_s
+    (bf16, False, 8, 2, 64, 1, 16), (bf16, False, 8, 2, 128, 3, 16), (bf16, False, 4, 4, 64, None, 16),
+    (bf16, True, 8, 2, 128, 1, 32), (bf16, True, 8, 2, 64, 4, 16), (bf16, True, 4, 4, 128, 2, 16),
+    (bf16, True, 4, 4, 64, 1, 64),
+    (fp16, True, 8, 2, 64, 3, 16), (fp16, False, 4, 4, 64, 1, 32),
+    (fp32, False, 8, 2, 64, 1, 16), (fp32, False, 8, 2, 64, 2, 32),
+]
+start = time.time()
+for i, (dtype, fp8, H, Hkv, D, num_splits, block_s) in enumerate(CASES):
+    q, k, v, lengths, ks, vs = make_inputs(len(LENGTHS), H, Hkv, S, D, LENGTHS, dtype, fp8, seed=i)
+    ref = decode_attention_reference(q, k, v, lengths, k_scales=ks, v_scales=vs)
+    out = decode_attention_triton(q, k, v, lengths, k_scales=ks, v_scales=vs, block_s=block_s, num_splits=num_splits)
+    case = (str(dtype), fp8, H, Hkv, D, num_splits, block_s)
+    assert out.dtype == dtype and out.shape == ref.shape and not out.isnan().any(), case
+    err = (out.float() - ref.float()).abs().max().item()
+    torch.testing.assert_close(out, ref, **TOLERANCE[dtype], msg=lambda m: f"{case}: {m}")
+    v0 = dequantized(v, vs, dtype)[0, :, 0].repeat_interleave(H // Hkv, dim=0)
+    assert torch.equal(out[0], v0), case  # length 0: softmax weight exactly 1 on position 0
+    print(case, f"max |kernel - reference| = {err:.2e}")
+
+# A sharp softmax (q x 8): skipping the spec's rounding of K_hat/V_hat to bf16 moves these outputs by
+# several ulps, so matching the reference here checks the kernel dequantizes as dequantize_kv does.
+q, k, v, lengths, ks, vs = make_inputs(len(LENGTHS), 8, 2, S, 64, LENGTHS, bf16, True, seed=42)
+q = (q.float() * 8).to(bf16)
+ref = decode_attention_reference(q, k, v, lengths, k_scales=ks, v_scales=vs)
+unrounded = decode_attention_reference(q.float(), k, v, lengths, k_scales=ks, v_scales=vs).to(bf16)
+assert not torch.allclose(unrounded.float(), ref.float(), **TOLERANCE[bf16])  # the check has teeth
+for num_splits in (1, 3):
+    out = decode_attention_triton(q, k, v, lengths, k_scales=ks, v_scales=vs, block_s=16, num_splits=num_splits)
+    torch.testing.assert_close(out, ref, **TOLERANCE[bf16])
+
+# The public function with the backend overridden: validation, default tiles and the split rule
+# (132 SMs off-GPU, so this small batch splits).
+q, k, v, lengths, ks, vs = make_inputs(3, 8, 2, 200, 128, [199, 0, 120], bf16, True, seed=99)
+with use_decode_attention_backend("triton"):
+    out = decode_attention(q, k, v, lengths, k_scales=ks, v_scales=vs, sm_scale=0.1)
+ref = decode_attention_reference(q, k, v, lengths, k_scales=ks, v_scales=vs, sm_scale=0.1)
+torch.testing.assert_close(out, ref, **TOLERANCE[bf16])
+
+# Out-of-range lengths (unchecked on the GPU, where a check is a host sync) are clamped into
+# [0, S-1] by both implementations: the kernel never reads outside the rows.
+q, k, v, _, ks, vs = make_inputs(2, 8, 2, 40, 64, [39, 39], bf16, True, seed=7)
+wild = torch.tensor([-3, 1000])
+for num_splits in (1, 3):
+    out = decode_attention_triton(q, k, v, wild, k_scales=ks, v_scales=vs, block_s=16, num_splits=num_splits)
+    ref = decode_attention_reference(q, k, v, wild, k_scales=ks, v_scales=vs)
+    torch.testing.assert_close(out, ref, **TOLERANCE[bf16])
+print(f"OK {time.time() - start:.1f}s")
+"""
+
+
+def test_kernel_matches_reference_in_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", KERNEL_SCRIPT], check=False, env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
