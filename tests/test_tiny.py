@@ -1,7 +1,7 @@
 """The tiny adder start policy: its character tokenizer and chat template, the FP8-friendly
 config, the SFT data, the atomic cache, and (slow) a real build with its held-out accuracies.
 
-Bounds of the slow test, from measurements (module docstring of jetrl.models.tiny): seed 0
+Bounds of the slow test, from measurements (package docstring of jetrl.models.tiny): seed 0
 gave greedy 0-3% and sampled 28-32% in three builds; 8 seeds gave greedy <= 10.5%, sampled
 25-32%, >= 85% of samples in {S, S + 10}. The test allows greedy <= 15%, sampled in [18%, 42%]
 (p = 0.3 plus sampling noise and seed spread), >= 80% of samples in {S, S + 10}, >= 95%
@@ -108,7 +108,7 @@ def test_split_is_disjoint_up_to_swaps():
     assert len(train) + len(held_out) == 5050 and len(held_out) == tiny.NUM_EVAL
 
     def key(r):
-        a, b = tiny._operands(r)
+        a, b = tiny.task._operands(r)
         return min(a, b), max(a, b)
 
     assert not {key(r) for r in train} & {key(r) for r in held_out}
@@ -119,7 +119,7 @@ def test_split_is_disjoint_up_to_swaps():
 def test_sft_examples_put_the_loss_on_the_answer_only(tok):
     train, _ = tiny_task_split()
     cfg = TinySFTConfig()
-    data = tiny._SFTData(tok, train[:50], cfg)
+    data = tiny.sft._SFTData(tok, train[:50], cfg)
     ids, tgt, alt, w = data.batch(random.Random(0), 64)
     for row in range(64):
         mask = tgt[row] != -100
@@ -156,7 +156,7 @@ def _fake_build(calls):
 
 def test_cache_is_reused_rebuilt_when_incomplete_and_never_half_written(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(tiny, "train_tiny_start", _fake_build(calls))
+    monkeypatch.setattr(tiny.cache, "train_tiny_start", _fake_build(calls))  # where tiny_start_checkpoint reads it
     path = tiny_start_checkpoint(tmp_path, seed=3)
     assert path == tiny_start_dir(tmp_path, seed=3) == tmp_path / "tiny-adder-v1-seed3"
     assert calls == [3] and load_pretrained(path)[1].vocab_size == 112
@@ -173,7 +173,7 @@ def test_cache_is_reused_rebuilt_when_incomplete_and_never_half_written(tmp_path
         (out_dir / "config.json").write_text("{}")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tiny, "train_tiny_start", killed)
+    monkeypatch.setattr(tiny.cache, "train_tiny_start", killed)
     with pytest.raises(KeyboardInterrupt):
         tiny_start_checkpoint(tmp_path, seed=4)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, other.name])  # no half-written dir

