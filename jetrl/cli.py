@@ -1,4 +1,4 @@
-"""``jetrl`` command line: train | eval | generate | export | convert-smollm2.
+"""``jetrl`` command line: train | eval | generate | export | convert-smollm2 | bench.
 
 ``main(argv)`` returns an exit code so tests call it with a list. Errors a user can fix (bad
 config, missing file, a reward function that raises, a prompt longer than the context) are
@@ -11,12 +11,17 @@ import argparse
 import json
 import sys
 
+from jetrl.bench.cli import add_arguments as add_bench_arguments
 from jetrl.fp8.recipe import RECIPE_NAMES
+
+RECIPE_HELP = ("precision recipe: bf16 | fp8_rollout (BF16 train, FP8 linears in rollout; off-policy) | jet (FP8 "
+               "linears in train and rollout) | jet_kv (jet + FP8 KV cache, the trainer sees the same FP8 K/V) | "
+               "fp8kv_rollout (BF16 train, FP8 KV cache in rollout; off-policy)")
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default=None, help="named preset: default | tiny | smollm2 (default: default)")
-    p.add_argument("--recipe", default=None, metavar="{" + ",".join(RECIPE_NAMES) + "}", help="precision recipe")
+    p.add_argument("--recipe", default=None, metavar="{" + ",".join(RECIPE_NAMES) + "}", help=RECIPE_HELP)
     p.add_argument("--config", default=None, metavar="YAML", help="YAML file applied on top of the preset")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted overrides, e.g. grpo.max_steps=10")
 
@@ -41,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", required=True, help="'tiny', 'smollm2', a checkpoint dir or a run dir")
     gen.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
     gen.add_argument("--prompts-file", default=None, help="one prompt per line, or jsonl with 'prompt'")
-    gen.add_argument("--recipe", default="jet", help="precision recipe of the rollout")
+    gen.add_argument("--recipe", default="jet", metavar="{" + ",".join(RECIPE_NAMES) + "}[+pow2]",
+                     help="the rollout's " + RECIPE_HELP + " (default jet)")
     gen.add_argument("--dtype", default="float32", help="float32 | bfloat16")
     gen.add_argument("--n", type=int, default=1, help="completions per prompt")
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -65,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     smol.add_argument("--out", default=None, metavar="DIR",
                       help="output directory (default: $JETRL_CACHE/smollm2-135m-instruct, JETRL_CACHE=~/.cache/jetrl)")
     smol.add_argument("--force", action="store_true", help="convert again even if DIR holds a complete conversion")
+
+    bench = sub.add_parser("bench", help="GPU speed benchmark: every FP8 ratio against BF16 in one run (--smoke: CPU)")
+    add_bench_arguments(bench)
     return parser
 
 
@@ -130,8 +139,14 @@ def _convert_smollm2(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from jetrl.bench.cli import run
+
+    return run(args)
+
+
 COMMANDS = {"train": _train, "eval": _eval, "generate": _generate, "export": _export,
-            "convert-smollm2": _convert_smollm2}
+            "convert-smollm2": _convert_smollm2, "bench": _bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,22 @@
+"""``jetrl bench``: every FP8 speed ratio against BF16, measured in one process, one run, on the GPU.
+
+Why one command: a ratio is only meaningful against a baseline from the same run on the same
+machine, next to the correctness check of the kernel it times. Every row here carries its BF16
+(or copy-ceiling, or bytes-floor) baseline, its check and the issue's target.
+
+Files (one concept each):
+
+    shapes.py      what is measured at which size (Qwen3-8B shapes; the tiny --smoke sizes)
+    timing.py      CUDA events, CUDA-graph replay timing, wall clocks, the bytes floor
+    checks.py      bit equality, relative error, SQNR: the correctness measures
+    models.py      random 8B-shaped models on the device, switching recipes, decode bytes
+    synthetic.py   token-id prompts, tokenizer and reward for timing the RL loop offline
+    kernels.py     (a) quantizers, (b) Float8Linear, (c) decode GEMMs
+    rollout.py     (d) decode step vs bytes floor, (e) rollout tok/s (+ hf_generate.py, the HF baseline)
+    training.py    (f) training phase, (g) end-to-end RL step
+    report.py      rows, targets, the table and the JSON
+    runner.py      runs the sections, isolates failures, prints, writes <out>/bench.json
+    cli.py         the ``jetrl bench`` options
+
+Nothing GPU-only is imported at module import (Triton and transformers load lazily).
+"""

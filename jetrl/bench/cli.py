@@ -1,0 +1,66 @@
+"""``jetrl bench`` arguments and entry: the subcommand's options, resolved into a run.
+
+``jetrl/cli.py`` adds the ``bench`` subparser with :func:`add_arguments` and dispatches to
+:func:`run`; ``python -m jetrl.bench ...`` is the same command. Only argparse is imported here:
+the sections (torch, the engine, the trainer) load when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+SECTION_KEYS = "abcdefg"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sections", default=",".join(SECTION_KEYS), metavar="a,b,...",
+                   help="which sections to run: a quant kernels, b Float8Linear, c decode GEMMs, d decode step, "
+                        "e rollout, f training phase, g RL step (default: all)")
+    p.add_argument("--out", default="runs/bench", metavar="DIR", help="writes DIR/bench.json (default runs/bench)")
+    p.add_argument("--smoke", action="store_true",
+                   help="every section at tiny shapes, 1-2 iterations: on CPU by default (emulated FP8, no CUDA "
+                        "graphs; the CI test), or --device cuda for a quick GPU check; timings meaningless")
+    p.add_argument("--device", default=None, help="default: cuda, or cpu with --smoke")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers of the 8B-shaped model in d, e (default 36)")
+    p.add_argument("--train-layers", type=int, default=None,
+                   help="decoder layers of the 8B-shaped model in f, g (default 8)")
+    p.add_argument("--no-long-context", dest="long_context", action="store_false",
+                   help="skip the long-context rollout config of section e")
+
+
+def parse_sections(text: str) -> str:
+    keys = "".join(ch for ch in text.lower() if ch not in ", ")
+    bad = sorted(set(keys) - set(SECTION_KEYS))
+    if not keys or bad:
+        raise ValueError(f"--sections {text!r}: use letters from {','.join(SECTION_KEYS)}, e.g. --sections a,b,c")
+    return "".join(k for k in SECTION_KEYS if k in keys)
+
+
+def command_line(args: argparse.Namespace, sections: str) -> str:
+    parts = ["jetrl", "bench", "--sections", ",".join(sections), "--out", args.out]
+    parts += ["--smoke"] if args.smoke else []
+    for flag, value in (("--device", args.device), ("--layers", args.layers), ("--train-layers", args.train_layers)):
+        if value is not None:
+            parts += [flag, str(value)]
+    parts += [] if args.long_context else ["--no-long-context"]
+    return shlex.join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from jetrl.bench.runner import run_bench
+    from jetrl.bench.shapes import h200_config, smoke_config
+
+    sections = parse_sections(args.sections)
+    device = torch.device(args.device or ("cpu" if args.smoke else "cuda"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("jetrl bench measures a CUDA GPU and none is available; run `jetrl bench --smoke` on CPU")
+    if device.type != "cuda" and not args.smoke:
+        raise ValueError(f"the full-size bench (8B shapes) runs on a CUDA GPU, not {device}; add --smoke for the "
+                         "tiny CPU run")
+    preset = smoke_config if args.smoke else h200_config
+    sizes = {k: v for k, v in (("layers", args.layers), ("train_layers", args.train_layers)) if v is not None}
+    cfg = preset(long_context=args.long_context, **sizes)
+    return run_bench(cfg, sections, args.out, device, command_line(args, sections))

@@ -1,0 +1,334 @@
+"""Sections (a)-(c): the FP8 quantizers, Float8Linear, and the decode GEMMs, each checked then timed.
+
+(a) ``quant_kernels``: effective bandwidth of each quantizer, (bytes read + bytes written) /
+    time, against the copy ceiling ``y.copy_(x)`` measured on a same-size BF16 tensor in the
+    same run. Inputs: a (tokens, hidden) BF16 activation in 1x128 groups, the same tensor in the
+    wgrad layout ``quantize(x.t())``, the fused dual-layout pass ``quantize_with_transpose``,
+    a (intermediate, hidden) weight in 128x128 blocks, and K/V in per-token-head groups
+    (``quantize_kv``; a prefill's worth event-timed, a decode step's worth under CUDA-graph
+    replay). Correctness: codes and scales bit-equal to ``quantize_reference`` on the same
+    device tensor, plus edge cases (NaN groups, power-of-two scales, K = 576, fp32 input)
+    against the CPU reference. Target: >= 2.5 TB/s.
+(b) ``float8_linear``: Float8Linear (recipe ``jet``) forward (no grad) and forward+backward
+    against BF16 ``nn.Linear`` at the four GEMMs of a Qwen3-8B layer, M tokens, quantization
+    included (the weight is quantized once per version, as in training). Correctness: SQNR of
+    y, dx, dw against an fp32 ``nn.Linear`` with the same weights, and the fprop / dgrad /
+    wgrad operand layouts of the dispatched FP8 GEMM against the emulation. Also recorded:
+    the three FP8 GEMMs alone, pre-quantized (what the quantization costs on top). Target 1.45x.
+(c) ``decode_gemms``: the same four GEMMs at decode rows M, under CUDA-graph replay
+    (``graph_calls`` back-to-back calls per graph): BF16 ``F.linear``; each FP8 GEMM backend
+    on pre-quantized operands; and "fp8" = a Float8Linear in the rollout phase (activation
+    quantization + the dispatcher's per-shape pick), which is what a decode step pays.
+    Correctness: every FP8 output within 1e-2 relative Frobenius error of ``gemm_emulated``.
+    The FP8 weight-bytes floor (N*K code bytes + scales at the copy ceiling) is listed.
+    Target: the sum over the four GEMMs >= 1.8x BF16 at each M <= 64.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from jetrl.bench.checks import GEMM_REL_ERR_MAX, LINEAR_SQNR_MIN_DB, bit_equal, rel_err, sqnr_db, status
+from jetrl.bench.report import error_row, guarded, set_target
+from jetrl.bench.shapes import BenchConfig
+from jetrl.bench.timing import HBM_BYTES_PER_S, copy_ceiling_tb_s, graph_time_us, tb_per_s, time_ms
+from jetrl.fp8 import Float8Blocks, Float8Linear, fp8_gemm, gemm_emulated, get_recipe, override_backend, quantize
+from jetrl.fp8 import gemm as gemm_module
+from jetrl.fp8 import quant as quant_module
+from jetrl.fp8.recipe import precision_phase
+
+QUANT_TARGET_TB_S = 2.5
+LINEAR_TARGET = 1.45
+DECODE_SUM_TARGET, DECODE_SUM_MAX_M = 1.8, 64
+
+
+# ------------------------------------------------------------------------------------------ (a)
+def _quant_bytes(src: torch.Tensor, outs: tuple[Float8Blocks, ...]) -> int:
+    return src.numel() * src.element_size() + sum(o.codes.nbytes + o.scales.nbytes for o in outs)
+
+
+def _matches_reference(outs: tuple[Float8Blocks, ...], refs: list[tuple[torch.Tensor, int, int]], pow2: bool) -> bool:
+    for out, (src, br, bc) in zip(outs, refs, strict=True):
+        codes, scales = quant_module.quantize_reference(src, br, bc, pow2)
+        if not (bit_equal(out.codes, codes) and bit_equal(out.scales.reshape(scales.shape), scales)):
+            return False
+    return True
+
+
+def _quant_kv(x: torch.Tensor) -> Float8Blocks:
+    from jetrl.fp8.kv_quant import quantize_kv
+
+    return quantize_kv(x)
+
+
+def quant_kernels(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    bf16 = torch.bfloat16
+    x = torch.randn(cfg.act_shape, device=device, dtype=bf16)
+    w = torch.randn(cfg.weight_shape, device=device, dtype=bf16) * 0.02
+    kv_prefill = torch.randn(cfg.kv_prefill_tokens, cfg.kv_heads, cfg.head_dim, device=device, dtype=bf16)
+    kv_decode = torch.randn(cfg.kv_decode_rows, cfg.kv_heads, cfg.head_dim, device=device, dtype=bf16)
+    hd = cfg.head_dim
+    m, k = cfg.act_shape
+    # name, source, fn -> Float8Blocks or a tuple, reference (tensor, br, bc) per output, graph-timed
+    cases: list[tuple[str, torch.Tensor, Any, list, bool]] = [
+        (f"quant 1x128 act {m}x{k}", x, lambda: quantize(x), [(x, 1, 128)], False),
+        ("quant 1x128 wgrad layout x.t()", x, lambda: quantize(x.t()), [(x.t(), 1, 128)], False),
+    ]
+    if hasattr(quant_module, "quantize_with_transpose"):
+        cases.append((f"quant fused x + x.t() {m}x{k}", x, lambda: quant_module.quantize_with_transpose(x),
+                      [(x, 1, 128), (x.t(), 1, 128)], False))
+    cases += [
+        (f"quant 128x128 weight {cfg.weight_shape[0]}x{cfg.weight_shape[1]}", w, lambda: quantize(w, (128, 128)),
+         [(w, 128, 128)], False),
+        (f"quant KV token-head prefill {cfg.kv_prefill_tokens}x{cfg.kv_heads}", kv_prefill,
+         lambda: _quant_kv(kv_prefill), [(kv_prefill.reshape(-1, hd), 1, hd)], False),
+        (f"quant KV token-head decode {cfg.kv_decode_rows}x{cfg.kv_heads} (graph)", kv_decode,
+         lambda: _quant_kv(kv_decode), [(kv_decode.reshape(-1, hd), 1, hd)], True),
+    ]
+    ceilings: dict[tuple[int, bool], float] = {}
+    rows = []
+    for name, src, fn, refs, graphed in cases:
+        try:
+            out = fn()
+            outs = out if isinstance(out, tuple) else (out,)
+            ok = _matches_reference(outs, refs, pow2=False)
+            nbytes = _quant_bytes(src, outs)
+            if graphed:
+                us = graph_time_us(fn, device, calls=cfg.graph_calls, replays=cfg.graph_replays)
+                ms = us * 1e-3
+            else:
+                ms = time_ms(fn, device, iters=cfg.iters, warmup=cfg.warmup, back_to_back=cfg.back_to_back)
+            key = (src.numel(), graphed)
+            if key not in ceilings:
+                ceilings[key] = _copy_ceiling(src, device, cfg, graphed)
+            value = tb_per_s(nbytes, ms)
+            row = {"name": name, "unit": "TB/s", "baseline": ceilings[key], "baseline_label": "copy",
+                   "value": value, "ratio": value / ceilings[key], "ms": ms, "bytes": nbytes,
+                   "check": status(ok), "check_detail": "codes+scales bit-equal" if ok else "codes/scales differ",
+                   "note": "ratio = fraction of the copy ceiling"}
+            if not graphed:
+                set_target(row, ">=", QUANT_TARGET_TB_S, key="value", unit="TB/s", smoke=cfg.smoke)
+            rows.append(row)
+        except Exception as exc:  # noqa: BLE001 -- one kernel failing must not hide the others
+            rows.append(error_row(name, exc))
+    rows.append(guarded("quant edge cases vs CPU reference", partial(_quant_edge_cases, device)))
+    return rows
+
+
+def _copy_ceiling(src: torch.Tensor, device: torch.device, cfg: BenchConfig, graphed: bool) -> float:
+    if not graphed:
+        return copy_ceiling_tb_s(src.numel(), torch.bfloat16, device, iters=cfg.iters, warmup=cfg.warmup,
+                                 back_to_back=cfg.back_to_back)
+    a = torch.randn(src.numel(), device=device).to(torch.bfloat16)
+    b = torch.empty_like(a)
+    us = graph_time_us(lambda: b.copy_(a), device, calls=cfg.graph_calls, replays=cfg.graph_replays)
+    return tb_per_s(2 * a.nbytes, us * 1e-3)
+
+
+def _quant_edge_cases(device: torch.device) -> dict[str, Any]:
+    """NaN groups, pow2 scales, a partial group (K = 576), fp32 input: device result vs the CPU reference."""
+    gen = torch.Generator().manual_seed(1)
+    cases = [((300, 576), torch.float32, (1, 128)), ((130, 384), torch.bfloat16, (1, 128)),
+             ((200, 576), torch.float32, (128, 128)), ((256, 384), torch.bfloat16, (128, 128))]
+    bad = []
+    for shape, dtype, block in cases:
+        for pow2 in (False, True):
+            x = (torch.randn(shape, generator=gen) * torch.exp(2 * torch.randn(shape, generator=gen))).to(dtype)
+            x[0, 3] = float("nan")
+            ref_codes, ref_scales = quant_module.quantize_reference(x, *block, pow2)
+            got = quantize(x.to(device), block, pow2_scale=pow2)
+            if not (bit_equal(got.codes.cpu(), ref_codes) and bit_equal(got.scales.cpu(), ref_scales)):
+                bad.append(f"{shape} {dtype} {block} pow2={pow2}")
+            if block == (1, 128) and hasattr(quant_module, "quantize_with_transpose"):
+                pair = quant_module.quantize_with_transpose(x.to(device), pow2_scale=pow2)
+                t_codes, t_scales = quant_module.quantize_reference(x.t(), 1, 128, pow2)
+                if not (bit_equal(pair[0].codes.cpu(), ref_codes) and bit_equal(pair[0].scales.cpu(), ref_scales)
+                        and bit_equal(pair[1].codes.cpu(), t_codes) and bit_equal(pair[1].scales.cpu(), t_scales)):
+                    bad.append(f"fused {shape} {dtype} pow2={pow2}")
+    return {"name": "quant edge cases vs CPU reference", "check": status(not bad),
+            "check_detail": "NaN, pow2, K=576, fp32: bit-equal" if not bad else "; ".join(bad)[:300], "cases": len(cases) * 2}
+
+
+# ------------------------------------------------------------------------------------------ (b)
+def float8_linear(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any]]:
+    rows = [guarded("FP8 GEMM fprop/dgrad/wgrad vs emulated", partial(_gemm_layouts, cfg, device))]
+    for name, k, n in cfg.layer_gemms():
+        try:
+            rows += _linear_rows(cfg, device, name, cfg.linear_tokens, k, n)
+        except Exception as exc:  # noqa: BLE001 -- recorded in the row; the other shapes still run
+            rows.append(error_row(f"Float8Linear {name} {k}x{n}", exc))
+    return rows
+
+
+def _linear_rows(cfg: BenchConfig, device: torch.device, name: str, m: int, k: int, n: int) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    recipe = get_recipe("jet")
+    ref32 = nn.Linear(k, n, bias=False, device=device)
+    bf16 = nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        bf16.weight.copy_(ref32.weight)
+        ref32.weight.copy_(bf16.weight)  # the reference sees the same (BF16-representable) weights
+    fp8 = Float8Linear.from_float(bf16, recipe, name=f"bench.{name}")
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+
+    x32 = x.float().requires_grad_()
+    y32 = ref32(x32)
+    y32.backward(dy.float())
+    xf = x.clone().requires_grad_()
+    y8 = fp8(xf)
+    y8.backward(dy)
+    sqnr = {"y": sqnr_db(y8, y32), "dx": sqnr_db(xf.grad, x32.grad), "dw": sqnr_db(fp8.weight.grad, ref32.weight.grad)}
+    del x32, y32, xf, y8, ref32
+    fp8.weight.grad = None
+
+    xg = x.clone().requires_grad_()
+
+    def fwd_bwd(mod: nn.Module):
+        def run() -> None:
+            mod.weight.grad = None
+            xg.grad = None
+            mod(xg).backward(dy)
+        return run
+
+    timer = {"device": device, "iters": cfg.iters, "warmup": cfg.warmup, "back_to_back": cfg.back_to_back}
+    with torch.no_grad():
+        fwd_bf16, fwd_fp8 = time_ms(lambda: bf16(x), **timer), time_ms(lambda: fp8(x), **timer)
+    fb_bf16, fb_fp8 = time_ms(fwd_bwd(bf16), **timer), time_ms(fwd_bwd(fp8), **timer)
+    # the three FP8 GEMMs on pre-quantized operands, against the three BF16 GEMMs
+    wq = fp8.weight_cache.get(fp8.weight, recipe.train.weight)
+    xq, dyq, dytq, xtq, wtq = quantize(x), quantize(dy), quantize(dy.t()), quantize(x.t()), wq.t()
+    gemms_fp8 = time_ms(lambda: (fp8_gemm(xq, wq), fp8_gemm(dyq, wtq), fp8_gemm(dytq, xtq, torch.float32)), **timer)
+    w = bf16.weight.detach()
+    gemms_bf16 = time_ms(lambda: (x @ w.t(), dy @ w, dy.t() @ x), **timer)
+    # the activation quantization a layer pays per fwd+bwd: x and dy, each in both layouts
+    dual = getattr(quant_module, "quantize_with_transpose", None)
+    act_quant = time_ms((lambda: (dual(x), dual(dy))) if dual else
+                        (lambda: (quantize(x), quantize(x.t()), quantize(dy), quantize(dy.t()))), **timer)
+    ok = min(sqnr.values()) >= LINEAR_SQNR_MIN_DB
+    shape = f"{name} {k}x{n}"  # K x N; M in the row
+    fwd = {"name": f"Float8Linear fwd {shape}", "unit": "ms", "baseline": fwd_bf16, "baseline_label": "bf16",
+           "value": fwd_fp8, "value_label": "jet", "ratio": fwd_bf16 / fwd_fp8, "m": m, "k": k, "n": n}
+    fb = {"name": f"Float8Linear fwd+bwd {shape}", "unit": "ms", "baseline": fb_bf16, "baseline_label": "bf16",
+          "value": fb_fp8, "value_label": "jet", "ratio": fb_bf16 / fb_fp8, "m": m, "k": k, "n": n,
+          "gemms_only_ms_bf16": gemms_bf16, "gemms_only_ms_fp8": gemms_fp8, "gemms_only_ratio": gemms_bf16 / gemms_fp8,
+          "act_quant_ms": act_quant,
+          "sqnr_db": sqnr, "check": status(ok),
+          "check_detail": f"SQNR y/dx/dw {sqnr['y']:.1f}/{sqnr['dx']:.1f}/{sqnr['dw']:.1f} dB",
+          "note": f"3 GEMMs alone {gemms_bf16 / gemms_fp8:.2f}x; act quant {act_quant:.3f} ms"}
+    set_target(fb, ">=", LINEAR_TARGET, smoke=cfg.smoke)
+    return [fwd, fb]
+
+
+def _gemm_layouts(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
+    """fprop / dgrad / wgrad operand layouts of the dispatched FP8 GEMM vs the emulation (M=1, partial K)."""
+    _, k, n = cfg.layer_gemms()[0]
+    shapes = [(cfg.linear_tokens, n, k), (1, n, k), (40, 256, 576)]
+    worst, errors = 0.0, []
+    for m, n, k in shapes:
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+        dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+        wq = quantize(w, (128, 128))
+        layouts = {"fprop": (quantize(x), wq), "dgrad": (quantize(dy), wq.t()),
+                   "wgrad": (quantize(dy.t()), quantize(x.t()))}
+        for layout, (a, b) in layouts.items():
+            try:
+                err = rel_err(fp8_gemm(a, b, torch.float32), gemm_emulated(a, b, torch.float32))
+                worst = max(worst, err)
+            except Exception as exc:  # noqa: BLE001 -- reported in the check
+                errors.append(f"{layout} {m}x{n}x{k}: {type(exc).__name__}: {exc}"[:200])
+    ok = not errors and worst < GEMM_REL_ERR_MAX
+    detail = f"max rel err {worst:.1e}" + (f"; {'; '.join(errors)}" if errors else "")
+    return {"name": "FP8 GEMM fprop/dgrad/wgrad vs emulated", "check": status(ok), "check_detail": detail,
+            "max_rel_err": worst, "shapes": shapes, "backend": gemm_module.resolve_backend(device)}
+
+
+# ------------------------------------------------------------------------------------------ (c)
+def _fp8_backends(device: torch.device) -> list[str]:
+    """The FP8 GEMM backends to time one by one: every fast one on CUDA, the emulation on CPU."""
+    if device.type != "cuda":
+        return ["emulated"]
+    return [b for b in gemm_module.BACKENDS if b != "emulated"]
+
+
+def _dispatch_pick(m: int, n: int, k: int, device: torch.device) -> str:
+    backend = gemm_module.resolve_backend(device)
+    choose = getattr(gemm_module, "choose_backend", None)
+    return choose(m, n, k) if backend == "auto" and choose is not None else backend
+
+
+def decode_gemms(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any]]:
+    graph = {"calls": cfg.graph_calls, "replays": cfg.graph_replays}
+    backends = _fp8_backends(device)
+    rows = []
+    sums: dict[int, dict[str, float]] = {m: {"bf16": 0.0, "fp8": 0.0, "floor": 0.0} for m in cfg.decode_ms}
+    for name, k, n in cfg.layer_gemms():
+        torch.manual_seed(0)
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+        wq = quantize(w, (128, 128))
+        linear = nn.Linear(k, n, bias=False, device="meta")
+        linear.weight = nn.Parameter(w, requires_grad=False)
+        fp8 = Float8Linear.from_float(linear, get_recipe("jet"), name=f"bench.decode.{name}")
+        floor_us = (wq.codes.nbytes + wq.scales.nbytes) / HBM_BYTES_PER_S * 1e6
+        for m in cfg.decode_ms:
+            label = f"decode GEMM {name} M={m} N={n} K={k}"
+            try:
+                row = _decode_row(label, m, n, k, w, wq, fp8, backends, device, graph)
+            except Exception as exc:  # noqa: BLE001 -- recorded in the row; the other shapes still run
+                rows.append(error_row(label, exc))
+                for key in sums[m]:
+                    sums[m][key] = float("nan")
+                continue
+            row["floor_us"] = floor_us
+            rows.append(row)
+            sums[m]["bf16"] += row["baseline"]
+            sums[m]["fp8"] += row["value"]
+            sums[m]["floor"] += floor_us
+    for m, s in sums.items():
+        row = {"name": f"decode GEMMs sum of 4, M={m}", "unit": "us", "baseline": s["bf16"], "baseline_label": "bf16",
+               "value": s["fp8"], "value_label": "fp8", "ratio": s["bf16"] / s["fp8"], "floor_us": s["floor"],
+               "floor_ratio": s["bf16"] / s["floor"] if s["floor"] else None,
+               "note": f"FP8 bytes floor {s['floor']:.1f} us"}
+        if m <= DECODE_SUM_MAX_M:
+            set_target(row, ">=", DECODE_SUM_TARGET, smoke=cfg.smoke)
+        rows.append(row)
+    return rows
+
+
+def _decode_row(label: str, m: int, n: int, k: int, w: torch.Tensor, wq: Float8Blocks, fp8: Float8Linear,
+                backends: list[str], device: torch.device, graph: dict) -> dict[str, Any]:
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    xq = quantize(x)
+    spec = gemm_emulated(xq, wq, torch.float32)
+    row: dict[str, Any] = {"name": label, "unit": "us", "m": m, "n": n, "k": k, "baseline_label": "bf16",
+                           "value_label": "fp8", "pick": _dispatch_pick(m, n, k, device)}
+    row["baseline"] = graph_time_us(lambda: F.linear(x, w), device, **graph)
+    errs, failures = {}, []
+    for backend in backends:
+        try:
+            with override_backend(backend):
+                errs[backend] = rel_err(fp8_gemm(xq, wq), spec)
+                row[f"{backend}_us"] = graph_time_us(lambda: fp8_gemm(xq, wq), device, **graph)
+        except Exception as exc:  # noqa: BLE001 -- a declared backend failing on an 8B decode shape is an error
+            row[f"{backend}_us"] = None
+            failures.append(f"{backend}: {type(exc).__name__}: {exc}"[:200])
+    with torch.no_grad(), precision_phase("rollout"):
+        errs["fp8"] = rel_err(fp8(x), spec)
+        row["value"] = graph_time_us(lambda: fp8(x), device, **graph)
+    row["ratio"] = row["baseline"] / row["value"]
+    row["rel_err"] = errs
+    ok = all(e < GEMM_REL_ERR_MAX for e in errs.values())
+    row["check"] = status(ok)
+    row["check_detail"] = "rel err " + " ".join(f"{b} {e:.1e}" for b, e in errs.items())
+    row["note"] = f"pick {row['pick']}; " + " ".join(
+        f"{b} {row[f'{b}_us']:.1f}us" for b in backends if row.get(f"{b}_us") is not None)
+    if failures:
+        row["error"] = "; ".join(failures)
+    return row

@@ -1,0 +1,118 @@
+"""Run the sections of ``jetrl bench`` in one process, then print the table, the JSON line, and save.
+
+Each section is a function ``(BenchConfig, device) -> list[row]`` (report.py says what a row
+holds). A section that raises is recorded with its error and traceback, device memory is
+released, and the next section runs; rows record their own smaller failures. Progress lines
+(``[bench] ...``) go to stdout as sections finish, with their wall time and peak device memory;
+the table comes last, then one JSON line (the summary: failed checks, errors, every targeted
+ratio, the JSON path). ``<out>/bench.json`` holds everything: the environment (device, torch,
+CUDA, Triton, transformers, git commit), the date, the command line, the config, every row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from jetrl.bench import kernels, rollout, training
+from jetrl.bench.models import free_device_memory
+from jetrl.bench.report import format_table, summarize, to_json
+from jetrl.bench.shapes import BenchConfig
+from jetrl.bench.timing import HBM_BYTES_PER_S
+
+Section = Callable[[BenchConfig, torch.device], list[dict[str, Any]]]
+SECTIONS: dict[str, tuple[str, Section]] = {
+    "a": ("quant kernels: TB/s vs copy ceiling", kernels.quant_kernels),
+    "b": ("Float8Linear vs BF16 nn.Linear", kernels.float8_linear),
+    "c": ("decode GEMMs under CUDA graphs", kernels.decode_gemms),
+    "d": ("decode step vs bytes floor", rollout.decode_step),
+    "e": ("rollout tok/s", rollout.rollout_throughput),
+    "f": ("training phase", training.training_phase),
+    "g": ("end-to-end RL step", training.rl_step),
+}
+
+
+def run_section(key: str, cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
+    title, fn = SECTIONS[key]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    rows, error, trace = [], None, None
+    try:
+        rows = fn(cfg, device)
+    except Exception as exc:  # noqa: BLE001 -- recorded, printed; the exit code says the run is incomplete
+        error, trace = f"{type(exc).__name__}: {exc}", traceback.format_exc()
+        print(trace, file=sys.stderr)
+    finally:
+        free_device_memory()
+    wall = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    problems = sum(1 for r in rows if r.get("error") or r.get("check") == "FAILED")
+    print(f"[bench] ({key}) {title}: {wall:.1f} s, {len(rows)} rows"
+          + (f", peak {peak:.1f} GiB" if peak is not None else "")
+          + (f", {problems} failing rows" if problems else "") + (f", SECTION ERROR {error}" if error else ""),
+          flush=True)
+    return {"title": title, "wall_s": wall, "peak_mem_gib": peak, "rows": rows, "error": error, "traceback": trace}
+
+
+def run_bench(cfg: BenchConfig, sections: str, out_dir: str, device: torch.device, command: str) -> int:
+    """Run ``sections`` (letters a-g), print the table and the JSON line, write ``out_dir/bench.json``."""
+    meta = environment(device, cfg, command)
+    print(f"[bench] {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | {meta['date']}", flush=True)
+    start = time.perf_counter()
+    results = {key: run_section(key, cfg, device) for key in sections}
+    meta["wall_s"] = time.perf_counter() - start
+    summary = summarize(results)
+    path = Path(out_dir) / "bench.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_json({"meta": meta, "sections": results, "summary": summary}))
+    print()
+    print(format_table(results, smoke=cfg.smoke))
+    line = {"jetrl_bench": "summary", "smoke": cfg.smoke, "device": meta["device"], "wall_s": round(meta["wall_s"], 1),
+            **summary, "json": str(path)}
+    print(json.dumps(json.loads(to_json(line))))  # one line, NaN -> null
+    return summary["exit_code"]
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], check=False, cwd=Path(__file__).resolve().parent, capture_output=True, text=True,
+                              timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def environment(device: torch.device, cfg: BenchConfig, command: str) -> dict[str, Any]:
+    on_cuda = device.type == "cuda"
+    status = _git("status", "--porcelain")
+    return {
+        "device": torch.cuda.get_device_name(device) if on_cuda else "cpu",
+        "device_capability": list(torch.cuda.get_device_capability(device)) if on_cuda else None,
+        "torch": torch.__version__, "cuda": torch.version.cuda, "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command, "argv": sys.argv,
+        "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None else None,
+        "timing": "CUDA events / CUDA-graph replay" if on_cuda else "CPU perf_counter: MEANINGLESS (smoke)",
+        "hbm_bytes_per_s_for_floors": HBM_BYTES_PER_S,
+        "config": dataclasses.asdict(cfg),
+    }

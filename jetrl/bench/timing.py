@@ -1,0 +1,120 @@
+"""How ``jetrl bench`` measures time and bytes: CUDA events, CUDA-graph replay, the bytes floor.
+
+Three clocks, each for a kind of work (all report the *median* of repeated runs):
+
+* :func:`time_ms` -- a CUDA event pair around ``back_to_back`` calls (after ``warmup``
+  untimed calls), divided by ``back_to_back``. With one call per pair, the host's launch work
+  (Python, Triton's launcher: 10-40 µs) is inside the timed region; a training step enqueues
+  layer after layer with the host ahead of the GPU, so (a) and (b) time 10 calls back to
+  back, which hides the launch cost exactly as training does.
+* :func:`graph_time_us` -- decode-sized kernels. Timed one launch at a time, the host launch
+  cost dominates and every kernel looks alike (design.md §3). So ``calls`` back-to-back calls
+  are captured in ONE CUDA graph, the graph is replayed ``replays`` times (event-timed) and the
+  per-call time is replay time / ``calls``.
+* :func:`wall_s` -- whole phases with host work inside (a rollout, a training step): the host
+  wall clock between two device synchronizations.
+
+On CPU (``jetrl bench --smoke``) every clock falls back to ``time.perf_counter`` around eager
+calls: the numbers exercise the code paths and are otherwise meaningless.
+
+The bytes floor: a memory-bound step cannot run faster than the bytes it must move divided by
+the bandwidth. ``HBM_BYTES_PER_S`` is the H200's *measured* copy ceiling (design.md §3:
+``y.copy_(x)`` reaches ~4.3 TB/s, counting read + write), which is the achievable bandwidth,
+not the 4.8 TB/s datasheet number. Section (a) re-measures the copy ceiling in each run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+HBM_BYTES_PER_S = 4.3e12  # H200 copy ceiling, bytes/s (read + written), design.md §3
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, *, iters: int, warmup: int,
+            back_to_back: int = 1) -> float:
+    """Median time of one ``fn()`` call in ms: CUDA events on the GPU, ``perf_counter`` on CPU."""
+    if back_to_back > 1:
+        return time_ms(lambda: [fn() for _ in range(back_to_back)], device, iters=iters, warmup=warmup) / back_to_back
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(max(iters, 1)):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def graph_time_us(fn: Callable[[], object], device: torch.device, *, calls: int, replays: int,
+                  warmup: int = 2) -> float:
+    """Per-call time in µs of ``fn`` under CUDA-graph replay (module docstring).
+
+    ``fn`` must be capturable: no host sync, every lazy initialization (Triton compilation,
+    weight caches, cuBLAS workspaces) done by the ``warmup`` calls, which run on a side stream
+    as the CUDA-graph docs require. Outputs of the captured calls live in the graph's private
+    memory pool and are freed with the graph. On CPU: ``calls`` eager calls, ``perf_counter``.
+    """
+    calls = max(calls, 1)
+    if device.type != "cuda":
+        return time_ms(lambda: [fn() for _ in range(calls)], device, iters=replays, warmup=min(warmup, 1)) * 1e3 / calls
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    try:
+        return time_ms(graph.replay, device, iters=replays, warmup=1) * 1e3 / calls
+    finally:
+        synchronize(device)
+        del graph
+
+
+def wall_s(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
+    """(seconds, result) of ``fn()``, between two device synchronizations (host work included)."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return time.perf_counter() - t0, out
+
+
+def floor_ms(num_bytes: float) -> float:
+    """The bytes floor in ms: ``num_bytes`` moved at the measured HBM copy ceiling."""
+    return num_bytes / HBM_BYTES_PER_S * 1e3
+
+
+def tb_per_s(num_bytes: float, ms: float) -> float:
+    """Effective bandwidth in TB/s of moving ``num_bytes`` (read + written) in ``ms``."""
+    return num_bytes / (ms * 1e-3) / 1e12
+
+
+def copy_ceiling_tb_s(numel: int, dtype: torch.dtype, device: torch.device, *, iters: int, warmup: int,
+                      back_to_back: int = 1) -> float:
+    """Effective TB/s of ``y.copy_(x)`` on random ``numel``-element tensors (2 x nbytes moved)."""
+    x = torch.randn(numel, device=device).to(dtype)
+    y = torch.empty_like(x)
+    ms = time_ms(lambda: y.copy_(x), device, iters=iters, warmup=warmup, back_to_back=back_to_back)
+    return tb_per_s(2 * x.nbytes, ms)

@@ -1,0 +1,155 @@
+"""Sections (f) and (g): the training phase and one end-to-end RL step, ``jet`` vs ``bf16``.
+
+Both run :class:`~jetrl.rl.GRPOTrainer` itself, so they time the code a real run executes,
+on an 8B-shaped random Qwen3 with ``--train-layers`` layers (default 8: hidden 4096, SwiGLU
+12288, 32/8 heads of 128, vocabulary 151936; ~2.8B parameters, of which the embedding and the
+untied lm_head are 1.2B and stay BF16 under every recipe). Fewer layers than 36 keep the
+optimizer state and activations of two recipes, one after the other, inside the budget; the
+per-layer ratio is what the layer count does not change, while the BF16 lm_head, embedding and
+AdamW share weigh *more* here than at 36 layers, so the ratios are conservative.
+
+The same model object serves both recipes: ``bf16`` first (no conversion), then the trainer
+for ``jet`` converts it in place (shared parameters). Each trainer gets a fresh AdamW.
+Old logprobs are *recomputed* by a trainer forward under both recipes (``old_logprobs=
+"recompute"``), so both do the same work; ``jet``'s default would reuse the rollout's logprobs
+(its rollout graph is the training graph) and skip that pass, which would favour ``jet`` more.
+
+(f) ``training_phase``: one batch of ``train_batch`` sequences of prompt + completion tokens
+    (random, full length): the old-logprob forward (no grad) + one update (micro-batches of
+    ``micro_batch``, gradient accumulation over the batch, clipping, one AdamW step, FP8 weight
+    re-quantization) -- the trainer's ``_old_logprobs`` and ``_update``. One warm-up, then
+    ``train_iters`` timed repeats (median). Check: every update applied (finite loss and grad).
+    Target: >= 1.45x.
+(g) ``rl_step``: ``GRPOTrainer.train_step()`` -- rollout with the engine (``rl_prompts`` x
+    ``rl_generations`` samples of ``rl_completion`` tokens, temperature 1, no EOS), the synthetic
+    parity reward, old logprobs, the update. One warm-up step (graph capture, compilation),
+    then ``rl_steps`` timed steps (median). Check: full-length completions, update applied.
+    Target: >= 1.25x.
+"""
+
+from __future__ import annotations
+
+import statistics
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from jetrl.bench.checks import status
+from jetrl.bench.models import free_device_memory, random_model, strip_precision
+from jetrl.bench.report import error_row, set_target
+from jetrl.bench.shapes import BenchConfig
+from jetrl.bench.synthetic import IdTokenizer, parity_reward, random_batch, random_records
+from jetrl.bench.timing import wall_s
+from jetrl.rl import GRPOConfig, GRPOTrainer
+from jetrl.rl.batch import RolloutBatch
+
+TRAIN_TARGET, RL_STEP_TARGET = 1.45, 1.25
+RECIPES = ("bf16", "jet")
+
+
+def _trainer(model: nn.Module, recipe: str, records: list[dict], *, generations: int, batch: int,
+             prompt_len: int, completion_len: int, cfg: BenchConfig) -> GRPOTrainer:
+    args = GRPOConfig(max_steps=1_000_000, learning_rate=1e-6, num_generations=generations,
+                      generation_batch_size=batch, per_device_train_batch_size=cfg.micro_batch,
+                      gradient_accumulation_steps=batch // cfg.micro_batch, max_prompt_length=prompt_len,
+                      max_completion_length=completion_len, old_logprobs="recompute", temperature=1.0)
+    strip_precision(model)  # the trainer converts an unconverted model with its own recipe
+    return GRPOTrainer(model, [parity_reward], args, records, tokenizer=IdTokenizer(), recipe=recipe,
+                       accuracy_func=None)
+
+
+def _model_note(cfg: BenchConfig, model: nn.Module) -> str:
+    return f"{cfg.train_layers} layers, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params"
+
+
+def _comparison(name: str, unit: str, times: dict[str, float], target: float, smoke: bool,
+                **extra: Any) -> dict[str, Any]:
+    row = {"name": name, "unit": unit, "baseline": times.get("bf16"), "baseline_label": "bf16",
+           "value": times.get("jet"), "value_label": "jet", **extra}
+    row["ratio"] = times["bf16"] / times["jet"] if len(times) == 2 else None
+    return set_target(row, ">=", target, smoke=smoke)
+
+
+# ------------------------------------------------------------------------------------------ (f)
+def _time_phase(trainer: GRPOTrainer, batch: RolloutBatch, device: torch.device) -> tuple[float, float]:
+    """(old-logprob pass, update) seconds: the trainer's own two steps after a rollout."""
+    metrics: dict[str, float] = {}
+    t_old, _ = wall_s(partial(trainer._old_logprobs, batch, metrics), device)
+    t_update, _ = wall_s(partial(trainer._update, batch, metrics), device)
+    return t_old, t_update
+
+
+def training_phase(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any]]:
+    model = random_model(cfg.model_config(cfg.train_layers), device, torch.bfloat16)
+    batch = random_batch(cfg.train_batch, cfg.train_prompt, cfg.train_completion, cfg.vocab)
+    records = random_records(cfg.train_batch, cfg.train_prompt, cfg.vocab)
+    phase, old, update, rows, problems = {}, {}, {}, [], []
+    for recipe in RECIPES:
+        try:
+            trainer = _trainer(model, recipe, records, generations=2, batch=cfg.train_batch,
+                               prompt_len=cfg.train_prompt, completion_len=cfg.train_completion, cfg=cfg)
+            samples = [_time_phase(trainer, batch, device) for _ in range(1 + cfg.train_iters)][1:]  # [0]: warm-up
+            old[recipe] = statistics.median(s[0] for s in samples) * 1e3
+            update[recipe] = statistics.median(s[1] for s in samples) * 1e3
+            phase[recipe] = statistics.median(s[0] + s[1] for s in samples) * 1e3
+            if trainer.nonfinite_steps or trainer.optimizer_steps != 1 + cfg.train_iters:
+                problems.append(f"{recipe}: {trainer.optimizer_steps} updates, {trainer.nonfinite_steps} non-finite")
+        except Exception as exc:  # noqa: BLE001 -- recorded in the row; the other recipe still runs
+            rows.append(error_row(f"training phase {recipe}", exc))
+        finally:
+            trainer = None
+            free_device_memory()
+    tokens = cfg.train_batch * (cfg.train_prompt + cfg.train_completion)
+    main = _comparison(f"training phase {cfg.train_batch}x{cfg.train_prompt + cfg.train_completion} tok", "ms",
+                       phase, TRAIN_TARGET, cfg.smoke, tokens=tokens, old_logprobs_ms=old, update_ms=update,
+                       note=_model_note(cfg, model) + "; old-logprob fwd + fwd/bwd/AdamW")
+    if len(phase) == 2:
+        main["check"] = status(not problems)
+        main["check_detail"] = "; ".join(problems) if problems else "every update applied"
+    rows.insert(0, main)
+    if len(phase) == 2:
+        rows.append({"name": "  of which old-logprob forward", "unit": "ms", "baseline": old["bf16"],
+                     "baseline_label": "bf16", "value": old["jet"], "value_label": "jet",
+                     "ratio": old["bf16"] / old["jet"]})
+        rows.append({"name": "  of which update (fwd+bwd+AdamW)", "unit": "ms", "baseline": update["bf16"],
+                     "baseline_label": "bf16", "value": update["jet"], "value_label": "jet",
+                     "ratio": update["bf16"] / update["jet"]})
+    del model
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ (g)
+def rl_step(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any]]:
+    model = random_model(cfg.model_config(cfg.train_layers), device, torch.bfloat16)
+    records = random_records(cfg.rl_prompts, cfg.rl_prompt, cfg.vocab, seed=2)
+    num = cfg.rl_prompts * cfg.rl_generations
+    step, phases, rows, problems = {}, {}, [], []
+    for recipe in RECIPES:
+        try:
+            trainer = _trainer(model, recipe, records, generations=cfg.rl_generations, batch=num,
+                               prompt_len=cfg.rl_prompt, completion_len=cfg.rl_completion, cfg=cfg)
+            samples = [wall_s(trainer.train_step, device) for _ in range(1 + cfg.rl_steps)][1:]
+            step[recipe] = statistics.median(s for s, _ in samples)
+            last = samples[-1][1]
+            phases[recipe] = {k: last[k] for k in ("time/rollout", "time/old_logprobs", "time/update")}
+            lengths = [m["completions/mean_length"] for _, m in samples]
+            if any(n != cfg.rl_completion for n in lengths) or trainer.nonfinite_steps:
+                problems.append(f"{recipe}: mean lengths {lengths}, {trainer.nonfinite_steps} non-finite steps")
+        except Exception as exc:  # noqa: BLE001 -- recorded in the row; the other recipe still runs
+            rows.append(error_row(f"RL step {recipe}", exc))
+        finally:
+            trainer = None
+            free_device_memory()
+    phase_note = "; ".join(
+        f"{k.split('/')[1]} {phases['bf16'][k] / phases['jet'][k]:.2f}x" for k in phases.get("bf16", {})
+    ) if len(phases) == 2 else ""
+    main = _comparison(f"RL step {num}x({cfg.rl_prompt}+{cfg.rl_completion})", "s", step, RL_STEP_TARGET,
+                       cfg.smoke, phases_s=phases, note=f"{_model_note(cfg, model)}; {phase_note}")
+    if len(step) == 2:
+        main["check"] = status(not problems)
+        main["check_detail"] = "; ".join(problems) if problems else "full-length rollouts, updates applied"
+    rows.insert(0, main)
+    del model
+    return rows

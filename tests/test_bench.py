@@ -1,0 +1,138 @@
+"""`jetrl bench --smoke`: every section's code path on CPU, the JSON layout, and a loud failure contract."""
+
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from jetrl.bench import runner
+from jetrl.bench.checks import FAILED
+from jetrl.bench.models import decode_weight_bytes, random_model, set_recipe
+from jetrl.bench.rollout import spread_lengths
+from jetrl.bench.shapes import h200_config, smoke_config
+from jetrl.cli import main
+from jetrl.fp8 import Float8Linear
+
+SECTIONS = "abcdefg"
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main(["bench", "--smoke", "--out", str(out)])
+    return code, json.loads((out / "bench.json").read_text()), stdout.getvalue().strip().splitlines(), out
+
+
+@pytest.mark.slow
+def test_smoke_runs_every_section_and_every_check_passes(smoke_run):
+    code, data, _, _ = smoke_run
+    assert code == 0, data["summary"]
+    assert data["summary"]["ok"] and not data["summary"]["failed_checks"] and not data["summary"]["errors"]
+    assert list(data["sections"]) == list(SECTIONS)
+    for key, section in data["sections"].items():
+        assert section["error"] is None, (key, section["traceback"])
+        assert section["rows"] and section["wall_s"] > 0, key
+        for row in section["rows"]:
+            assert "error" not in row, (key, row)
+            assert row.get("check") in (None, "ok"), (key, row)
+        # every section checks correctness in the same run as its timings
+        assert any(row.get("check") == "ok" for row in section["rows"]), key
+
+
+@pytest.mark.slow
+def test_smoke_json_layout_and_targets(smoke_run):
+    _, data, _, out = smoke_run
+    meta = data["meta"]
+    for key in ("device", "torch", "triton", "transformers", "date", "command", "config", "timing", "git_commit"):
+        assert key in meta, key
+    assert meta["device"] == "cpu" and meta["config"]["smoke"] and "MEANINGLESS" in meta["timing"]
+    assert meta["command"].startswith("jetrl bench --sections a,b,c,d,e,f,g") and str(out) in meta["command"]
+    targeted = {t["section"] for t in data["summary"]["targets"]}
+    assert targeted == set(SECTIONS)  # every section puts a target next to a measured ratio
+    assert all(t["met"] is None for t in data["summary"]["targets"])  # CPU timings are never judged
+    rows = {key: section["rows"] for key, section in data["sections"].items()}
+    assert any(r["name"].startswith("quant fused") for r in rows["a"])
+    assert any("bf16 vs HF generate" in r["name"] for r in rows["e"])
+    assert any("jet_kv/bf16" in r["name"] for r in rows["e"])  # the FP8-KV comparison, incl. long context
+    for row in rows["b"] + rows["c"] + rows["f"] + rows["g"]:
+        if "ratio" in row and row.get("baseline_label") == "bf16":
+            assert row["baseline"] > 0 and row["value"] > 0  # the BF16 baseline of the same run
+
+
+@pytest.mark.slow
+def test_smoke_prints_table_then_one_json_line(smoke_run):
+    _, _, lines, out = smoke_run
+    summary = json.loads(lines[-1])
+    assert summary["ok"] and summary["json"] == str(out / "bench.json")
+    assert any(line.startswith("SMOKE RUN") for line in lines[:-1])
+    assert any("Float8Linear fwd+bwd" in line and ">=1.45x" in line for line in lines[:-1])
+
+
+def _fake_sections(monkeypatch, rows_a, fail_b):
+    def section_a(cfg, device):
+        return rows_a
+
+    def section_b(cfg, device):
+        if fail_b:
+            raise RuntimeError("out of memory (simulated)")
+        return [{"name": "fine", "check": "ok"}]
+
+    monkeypatch.setattr(runner, "SECTIONS", {"a": ("fake a", section_a), "b": ("fake b", section_b)})
+
+
+def test_failed_check_is_loud(monkeypatch, tmp_path, capsys):
+    _fake_sections(monkeypatch, [{"name": "kernel", "check": FAILED, "check_detail": "codes differ"}], fail_b=True)
+    code = main(["bench", "--smoke", "--sections", "a,b", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 1  # a correctness failure fails the run, even with an errored section alongside
+    assert "FAILED (codes differ)" in out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["failed_checks"] == ["a: kernel"] and summary["errors"] == ["b: RuntimeError: out of memory (simulated)"]
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert "simulated" in data["sections"]["b"]["traceback"]
+
+
+def test_section_error_does_not_stop_the_others(monkeypatch, tmp_path, capsys):
+    _fake_sections(monkeypatch, [{"name": "kernel", "check": "ok"}], fail_b=True)
+    assert main(["bench", "--smoke", "--sections", "b,a", "--out", str(tmp_path)]) == 3  # incomplete, not failed
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert list(data["sections"]) == ["a", "b"] and data["sections"]["a"]["rows"][0]["check"] == "ok"
+
+
+def test_bad_sections_is_a_user_error(capsys):
+    assert main(["bench", "--smoke", "--sections", "a,x"]) == 2
+    assert "--sections" in capsys.readouterr().err
+
+
+def test_recipes_switch_in_place_on_shared_parameters():
+    cfg = smoke_config()
+    model = random_model(cfg.model_config(1), torch.device("cpu"), torch.bfloat16)
+    params = {name: p for name, p in model.named_parameters()}
+    bf16_bytes = decode_weight_bytes(model, batch=4)
+    set_recipe(model, "jet_kv")
+    assert any(isinstance(m, Float8Linear) for m in model.modules())
+    assert all(m.kv_quant is not None for m in model.modules() if hasattr(m, "kv_quant"))
+    fp8_bytes = decode_weight_bytes(model, batch=4)
+    set_recipe(model, "bf16")  # undoes both transforms: the engine then allocates a BF16 cache
+    assert not any(isinstance(m, Float8Linear) for m in model.modules())
+    assert all(type(m) is nn.Linear for n, m in model.named_modules() if n.endswith("_proj"))
+    assert all(m.kv_quant is None for m in model.modules() if hasattr(m, "kv_quant"))
+    assert all(p is params[name] for name, p in model.named_parameters())  # no copy, no new Parameter
+    # the 7 linear layers drop from 2 to ~1 byte per weight; embedding rows, norms and lm_head stay BF16
+    linear = sum(m.weight.numel() for n, m in model.named_modules() if n.endswith("_proj"))
+    assert abs((bf16_bytes - fp8_bytes) - linear) < 0.01 * linear
+
+
+def test_h200_shapes_are_qwen3_8b():
+    cfg = h200_config()
+    assert cfg.layer_gemms() == [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 24576),
+                                 ("down", 12288, 4096)]
+    model_cfg = cfg.model_config(cfg.layers)
+    assert (model_cfg.num_hidden_layers, model_cfg.vocab_size, model_cfg.qk_norm) == (36, 151936, True)
+    lengths = spread_lengths(256, 640)
+    assert sum(lengths) / len(lengths) == pytest.approx(640, abs=0.5) and max(lengths) == 1152
