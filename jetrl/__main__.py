@@ -1,4 +1,5 @@
 import sys
+
 from jetrl.cli import main
 
 sys.exit(main())

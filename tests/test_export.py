@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-
 import transformers  # noqa: E402 (a core dependency)
+from safetensors import safe_open
 
 from jetrl.cli import main  # noqa: E402
 from jetrl.fp8 import float8_modules, get_recipe, precision_phase, quantize, record_quantization  # noqa: E402

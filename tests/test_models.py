@@ -11,9 +11,8 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 import transformers  # noqa: E402 (a core dependency)
+from safetensors.torch import load_file, save_file
 
 from jetrl.models import CausalLM, ModelConfig, load_pretrained, save_pretrained  # noqa: E402
 from jetrl.models.loader import CheckpointError  # noqa: E402

@@ -7,7 +7,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-
 from jetrl.rewards import (
     RewardError,
     compute_rewards,

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from jetrl.bench.checks import status
-from jetrl.bench.models import free_device_memory, random_model, strip_precision
+from jetrl.bench.models import free_device_memory, random_model, recipe_available, strip_precision
 from jetrl.bench.report import error_row, set_target
 from jetrl.bench.shapes import BenchConfig
 from jetrl.bench.synthetic import IdTokenizer, parity_reward, random_batch, random_records
@@ -45,16 +45,19 @@ from jetrl.bench.timing import wall_s
 from jetrl.rl import GRPOConfig, GRPOTrainer
 from jetrl.rl.batch import RolloutBatch
 
-TRAIN_TARGET, RL_STEP_TARGET = 1.45, 1.25
+TRAIN_TARGET, RL_STEP_TARGET, RL_STEP_KV_TARGET = 1.45, 1.25, 1.5  # issue 5 (f, g); issue 6 (jet_kv step)
 RECIPES = ("bf16", "jet")
+# (g): (recipe, old_logprobs) -- like for like (both recompute), then each recipe as shipped: ``auto``
+# reuses the rollout's logprobs under the on-policy FP8 recipes (their rollout *is* the trainer's graph)
+RL_STEP_CONFIGS = (("bf16", "recompute"), ("jet", "recompute"), ("jet", "auto"), ("jet_kv", "auto"))
 
 
 def _trainer(model: nn.Module, recipe: str, records: list[dict], *, generations: int, batch: int,
-             prompt_len: int, completion_len: int, cfg: BenchConfig) -> GRPOTrainer:
+             prompt_len: int, completion_len: int, cfg: BenchConfig, old_logprobs: str = "recompute") -> GRPOTrainer:
     args = GRPOConfig(max_steps=1_000_000, learning_rate=1e-6, num_generations=generations,
                       generation_batch_size=batch, per_device_train_batch_size=cfg.micro_batch,
                       gradient_accumulation_steps=batch // cfg.micro_batch, max_prompt_length=prompt_len,
-                      max_completion_length=completion_len, old_logprobs="recompute", temperature=1.0)
+                      max_completion_length=completion_len, old_logprobs=old_logprobs, temperature=1.0)
     strip_precision(model)  # the trainer converts an unconverted model with its own recipe
     return GRPOTrainer(model, [parity_reward], args, records, tokenizer=IdTokenizer(), recipe=recipe,
                        accuracy_func=None)
@@ -126,30 +129,41 @@ def rl_step(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any]]:
     records = random_records(cfg.rl_prompts, cfg.rl_prompt, cfg.vocab, seed=2)
     num = cfg.rl_prompts * cfg.rl_generations
     step, phases, rows, problems = {}, {}, [], []
-    for recipe in RECIPES:
+    for recipe, old_logprobs in RL_STEP_CONFIGS:
+        if recipe != "bf16" and not recipe_available(recipe):
+            continue
+        key = (recipe, old_logprobs)
         try:
             trainer = _trainer(model, recipe, records, generations=cfg.rl_generations, batch=num,
-                               prompt_len=cfg.rl_prompt, completion_len=cfg.rl_completion, cfg=cfg)
+                               prompt_len=cfg.rl_prompt, completion_len=cfg.rl_completion, cfg=cfg,
+                               old_logprobs=old_logprobs)
             samples = [wall_s(trainer.train_step, device) for _ in range(1 + cfg.rl_steps)][1:]
-            step[recipe] = statistics.median(s for s, _ in samples)
+            step[key] = statistics.median(s for s, _ in samples)
             last = samples[-1][1]
-            phases[recipe] = {k: last[k] for k in ("time/rollout", "time/old_logprobs", "time/update")}
+            phases[key] = {k: last.get(k, 0.0) for k in ("time/rollout", "time/old_logprobs", "time/update")}
             lengths = [m["completions/mean_length"] for _, m in samples]
             if any(n != cfg.rl_completion for n in lengths) or trainer.nonfinite_steps:
                 problems.append(f"{recipe}: mean lengths {lengths}, {trainer.nonfinite_steps} non-finite steps")
-        except Exception as exc:  # noqa: BLE001 -- recorded in the row; the other recipe still runs
-            rows.append(error_row(f"RL step {recipe}", exc))
+        except Exception as exc:  # noqa: BLE001 -- recorded in the row; the other configs still run
+            rows.append(error_row(f"RL step {recipe} old_logprobs={old_logprobs}", exc))
         finally:
             trainer = None
             free_device_memory()
-    phase_note = "; ".join(
-        f"{k.split('/')[1]} {phases['bf16'][k] / phases['jet'][k]:.2f}x" for k in phases.get("bf16", {})
-    ) if len(phases) == 2 else ""
-    main = _comparison(f"RL step {num}x({cfg.rl_prompt}+{cfg.rl_completion})", "s", step, RL_STEP_TARGET,
-                       cfg.smoke, phases_s=phases, note=f"{_model_note(cfg, model)}; {phase_note}")
-    if len(step) == 2:
-        main["check"] = status(not problems)
-        main["check_detail"] = "; ".join(problems) if problems else "full-length rollouts, updates applied"
-    rows.insert(0, main)
+    base, comparisons = ("bf16", "recompute"), []
+    shape = f"{num}x({cfg.rl_prompt}+{cfg.rl_completion})"
+    for key, label, target in ((("jet", "recompute"), "jet (recompute old logprobs, like bf16)", RL_STEP_TARGET),
+                               (("jet", "auto"), "jet as shipped (old logprobs from the rollout)", RL_STEP_TARGET),
+                               (("jet_kv", "auto"), "jet_kv as shipped", RL_STEP_KV_TARGET)):
+        if base not in step or key not in step:
+            continue
+        per_phase = "; ".join(f"{k.split('/')[1]} {phases[base][k]:.2f}/{phases[key][k]:.2f} s" for k in phases[base])
+        row = {"name": f"RL step {shape} {label}", "unit": "s", "baseline": step[base], "baseline_label": "bf16",
+               "value": step[key], "value_label": key[0], "ratio": step[base] / step[key],
+               "phases_s": {"bf16": phases[base], key[0]: phases[key]},
+               "note": f"{_model_note(cfg, model)}; bf16/{key[0]} {per_phase}"}
+        comparisons.append(set_target(row, ">=", target, smoke=cfg.smoke))
+    if comparisons:
+        comparisons[0]["check"] = status(not problems)
+        comparisons[0]["check_detail"] = "; ".join(problems) if problems else "full-length rollouts, updates applied"
     del model
-    return rows
+    return rows + comparisons
