@@ -136,3 +136,14 @@ def test_h200_shapes_are_qwen3_8b():
     assert (model_cfg.num_hidden_layers, model_cfg.vocab_size, model_cfg.qk_norm) == (36, 151936, True)
     lengths = spread_lengths(256, 640)
     assert sum(lengths) / len(lengths) == pytest.approx(640, abs=0.5) and max(lengths) == 1152
+
+
+def test_gpu_sweep_scripts_compile():
+    """bench/*.py (GPU-only sweeps and the decode-step profile behind docs/benchmarks.md) stay valid Python."""
+    import py_compile
+    from pathlib import Path
+
+    scripts = sorted((Path(__file__).resolve().parents[1] / "bench").glob("*.py"))
+    assert len(scripts) >= 3
+    for script in scripts:
+        py_compile.compile(str(script), doraise=True)
