@@ -36,7 +36,7 @@ from torch import nn
 from jetrl.bench.checks import GEMM_REL_ERR_MAX, LINEAR_SQNR_MIN_DB, bit_equal, rel_err, sqnr_db, status
 from jetrl.bench.report import error_row, guarded, set_target
 from jetrl.bench.shapes import BenchConfig
-from jetrl.bench.timing import HBM_BYTES_PER_S, copy_ceiling_tb_s, graph_time_us, tb_per_s, time_ms
+from jetrl.bench.timing import HBM_BYTES_PER_S, graph_time_us, tb_per_s, time_ms
 from jetrl.fp8 import Float8Blocks, Float8Linear, fp8_gemm, gemm_emulated, get_recipe, override_backend, quantize
 from jetrl.fp8 import gemm as gemm_module
 from jetrl.fp8 import quant as quant_module
@@ -75,7 +75,7 @@ def quant_kernels(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any]
     kv_decode = torch.randn(cfg.kv_decode_rows, cfg.kv_heads, cfg.head_dim, device=device, dtype=bf16)
     hd = cfg.head_dim
     m, k = cfg.act_shape
-    # name, source, fn -> Float8Blocks or a tuple, reference (tensor, br, bc) per output, graph-timed
+    # name, source, fn -> Float8Blocks or a tuple, reference (tensor, br, bc) per output, decode-sized (no target)
     cases: list[tuple[str, torch.Tensor, Any, list, bool]] = [
         (f"quant 1x128 act {m}x{k}", x, lambda: quantize(x), [(x, 1, 128)], False),
         ("quant 1x128 wgrad layout x.t()", x, lambda: quantize(x.t()), [(x.t(), 1, 128)], False),
@@ -88,10 +88,10 @@ def quant_kernels(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any]
          [(w, 128, 128)], False),
         (f"quant KV token-head prefill {cfg.kv_prefill_tokens}x{cfg.kv_heads}", kv_prefill,
          lambda: _quant_kv(kv_prefill), [(kv_prefill.reshape(-1, hd), 1, hd)], False),
-        (f"quant KV token-head decode {cfg.kv_decode_rows}x{cfg.kv_heads} (graph)", kv_decode,
+        (f"quant KV token-head decode {cfg.kv_decode_rows}x{cfg.kv_heads}", kv_decode,
          lambda: _quant_kv(kv_decode), [(kv_decode.reshape(-1, hd), 1, hd)], True),
     ]
-    ceilings: dict[tuple[int, bool], float] = {}
+    ceilings: dict[int, float] = {}
     rows = []
     for name, src, fn, refs, graphed in cases:
         try:
@@ -99,20 +99,22 @@ def quant_kernels(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any]
             outs = out if isinstance(out, tuple) else (out,)
             ok = _matches_reference(outs, refs, pow2=False)
             nbytes = _quant_bytes(src, outs)
-            if graphed:
-                us = graph_time_us(fn, device, calls=cfg.graph_calls, replays=cfg.graph_replays)
-                ms = us * 1e-3
-            else:
-                ms = time_ms(fn, device, iters=cfg.iters, warmup=cfg.warmup, back_to_back=cfg.back_to_back)
-            key = (src.numel(), graphed)
+            # The kernel's speed (the target's subject): CUDA-graph replay, no host work in the timing.
+            # Large tensors also get the eager figure (public quantize(), 10 calls back to back), which
+            # includes the per-call host work (validation, Triton's launcher) when it is not hidden.
+            ms = graph_time_us(fn, device, calls=cfg.graph_calls, replays=cfg.graph_replays) * 1e-3
+            key = src.numel()
             if key not in ceilings:
-                ceilings[key] = _copy_ceiling(src, device, cfg, graphed)
+                ceilings[key] = _copy_ceiling(src, device, cfg)
             value = tb_per_s(nbytes, ms)
             row = {"name": name, "unit": "TB/s", "baseline": ceilings[key], "baseline_label": "copy",
                    "value": value, "ratio": value / ceilings[key], "ms": ms, "bytes": nbytes,
                    "check": status(ok), "check_detail": "codes+scales bit-equal" if ok else "codes/scales differ",
-                   "note": "ratio = fraction of the copy ceiling"}
+                   "note": "CUDA graph; ratio = fraction of the copy ceiling"}
             if not graphed:
+                eager_ms = time_ms(fn, device, iters=cfg.iters, warmup=cfg.warmup, back_to_back=cfg.back_to_back)
+                row["eager_tb_s"] = tb_per_s(nbytes, eager_ms)
+                row["note"] += f"; eager back to back {row['eager_tb_s']:.2f} TB/s"
                 set_target(row, ">=", QUANT_TARGET_TB_S, key="value", unit="TB/s", smoke=cfg.smoke)
             rows.append(row)
         except Exception as exc:  # noqa: BLE001 -- one kernel failing must not hide the others
@@ -121,10 +123,8 @@ def quant_kernels(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any]
     return rows
 
 
-def _copy_ceiling(src: torch.Tensor, device: torch.device, cfg: BenchConfig, graphed: bool) -> float:
-    if not graphed:
-        return copy_ceiling_tb_s(src.numel(), torch.bfloat16, device, iters=cfg.iters, warmup=cfg.warmup,
-                                 back_to_back=cfg.back_to_back)
+def _copy_ceiling(src: torch.Tensor, device: torch.device, cfg: BenchConfig) -> float:
+    """TB/s of ``b.copy_(a)`` on a bf16 tensor of ``src``'s size, timed like the kernels (CUDA graph)."""
     a = torch.randn(src.numel(), device=device).to(torch.bfloat16)
     b = torch.empty_like(a)
     us = graph_time_us(lambda: b.copy_(a), device, calls=cfg.graph_calls, replays=cfg.graph_replays)

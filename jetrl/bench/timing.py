@@ -5,8 +5,9 @@ Three clocks, each for a kind of work (all report the *median* of repeated runs)
 * :func:`time_ms` -- a CUDA event pair around ``back_to_back`` calls (after ``warmup``
   untimed calls), divided by ``back_to_back``. With one call per pair, the host's launch work
   (Python, Triton's launcher: 10-40 µs) is inside the timed region; a training step enqueues
-  layer after layer with the host ahead of the GPU, so (a) and (b) time 10 calls back to
-  back, which hides the launch cost exactly as training does.
+  layer after layer with the host ahead of the GPU, so (b) times 10 calls back to back,
+  which hides the launch cost as training does when the GPU work per call is long enough.
+  (a) reports both: the kernel under CUDA-graph replay (its target) and this eager figure.
 * :func:`graph_time_us` -- decode-sized kernels. Timed one launch at a time, the host launch
   cost dominates and every kernel looks alike (design.md §3). So ``calls`` back-to-back calls
   are captured in ONE CUDA graph, the graph is replayed ``replays`` times (event-timed) and the
@@ -109,12 +110,3 @@ def floor_ms(num_bytes: float) -> float:
 def tb_per_s(num_bytes: float, ms: float) -> float:
     """Effective bandwidth in TB/s of moving ``num_bytes`` (read + written) in ``ms``."""
     return num_bytes / (ms * 1e-3) / 1e12
-
-
-def copy_ceiling_tb_s(numel: int, dtype: torch.dtype, device: torch.device, *, iters: int, warmup: int,
-                      back_to_back: int = 1) -> float:
-    """Effective TB/s of ``y.copy_(x)`` on random ``numel``-element tensors (2 x nbytes moved)."""
-    x = torch.randn(numel, device=device).to(dtype)
-    y = torch.empty_like(x)
-    ms = time_ms(lambda: y.copy_(x), device, iters=iters, warmup=warmup, back_to_back=back_to_back)
-    return tb_per_s(2 * x.nbytes, ms)
