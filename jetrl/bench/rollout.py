@@ -51,6 +51,7 @@ from jetrl.bench.synthetic import random_prompts
 from jetrl.bench.timing import floor_ms, time_ms, wall_s
 from jetrl.engine import Engine, SamplingParams
 from jetrl.fp8.recipe import precision_phase
+from jetrl.models.fused import use_fused_ops
 
 DECODE_FLOOR_TARGET = 1.4  # BF16 decode step <= 1.4x its bytes floor
 FLOOR_RATIO_FRACTION = 0.9  # rollout FP8/BF16 >= 90% of the bytes-floor ratio
@@ -92,14 +93,10 @@ def decode_step(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any]]:
         rows.append(error_row("decode attention kernel", exc))
     for recipe in ["bf16", *_fp8_recipes()]:
         name = f"decode step {recipe} B={batch} ctx {cfg.decode_context} L={cfg.layers}"
-        try:
-            set_recipe(model, recipe)
-            row = _decode_step_row(name, model, batch, lengths, cfg, device)
-        except Exception as exc:  # noqa: BLE001 -- recorded in the row; the other recipes still run
-            rows.append(error_row(name, exc))
+        row = _recipe_step_row(name, model, recipe, batch, lengths, cfg, device, fused=False)
+        if "error" in row:
+            rows.append(row)
             continue
-        finally:
-            free_device_memory()
         if recipe == "bf16":
             bf16_ms, bf16_floor = row["value"], row["baseline"]
             set_target(row, "<=", DECODE_FLOOR_TARGET, smoke=cfg.smoke)
@@ -110,8 +107,43 @@ def decode_step(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any]]:
             row["note"] = (f"ratio = x floor; {row['speedup_vs_bf16']:.2f}x bf16 step "
                            f"(floor ratio {row['floor_speedup_vs_bf16']:.2f}x)")
         rows.append(row)
+    rows += _fused_ops_rows(model, batch, lengths, cfg, device, {r["name"]: r for r in rows if "value" in r})
     del model
     return rows
+
+
+def _fused_ops_rows(model: nn.Module, batch: int, lengths: list[int], cfg: BenchConfig, device: torch.device,
+                    unfused: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The decode step again with the fused RMSNorm/RoPE kernels (``JETRL_FUSED_OPS=1``), per recipe.
+
+    ``ratio`` is the speedup over the same recipe's step with PyTorch ops, measured above.
+    """
+    rows = []
+    for recipe in ["bf16", *_fp8_recipes()]:
+        plain = f"decode step {recipe} B={batch} ctx {cfg.decode_context} L={cfg.layers}"
+        row = _recipe_step_row(f"{plain} fused ops", model, recipe, batch, lengths, cfg, device, fused=True)
+        if "error" in row:
+            rows.append(row)
+            continue
+        floor_ms_, step_ms = row["baseline"], row["value"]
+        if plain in unfused:
+            row.update(baseline=unfused[plain]["value"], baseline_label="unfused", ratio=unfused[plain]["value"] / step_ms)
+        row["note"] = f"ratio = speedup over PyTorch ops; {step_ms / floor_ms_:.2f}x the floor {floor_ms_:.3f} ms"
+        rows.append(row)
+    return rows
+
+
+def _recipe_step_row(name: str, model: nn.Module, recipe: str, batch: int, lengths: list[int], cfg: BenchConfig,
+                     device: torch.device, *, fused: bool) -> dict[str, Any]:
+    """:func:`_decode_step_row` under ``recipe`` (and the fused RMSNorm/RoPE kernels if ``fused``), or an error row."""
+    try:
+        set_recipe(model, recipe)
+        with use_fused_ops(fused):
+            return _decode_step_row(name, model, batch, lengths, cfg, device)
+    except Exception as exc:  # noqa: BLE001 -- recorded in the row; the other recipes still run
+        return error_row(name, exc)
+    finally:
+        free_device_memory()
 
 
 def _decode_step_row(name: str, model: nn.Module, batch: int, lengths: list[int], cfg: BenchConfig,

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from jetrl.models.config import ModelConfig
+from jetrl.models.fused import apply_rope, rms_norm
 
 
 class KVCache(Protocol):
@@ -64,10 +65,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)  # the formula: jetrl/models/fused.py
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
@@ -105,17 +103,6 @@ class RotaryEmbedding(nn.Module):
         freqs = position_ids[..., None].float() * self.inv_freq  # (B, T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: (B, H, T, D); cos/sin: (B, T, D)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
 
 
 class Attention(nn.Module):

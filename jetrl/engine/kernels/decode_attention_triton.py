@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from jetrl.fp8.kernels.rounding import INTERPRET, round_to
 from jetrl.fp8.quant import E4M3
 
 LOG2E = 1.4426950408889634
@@ -54,22 +55,8 @@ PROGRAMS_PER_SM = 4  # split rule: grid of >= 4 programs per SM (loads in flight
 MIN_SPLIT_TILES = 2  # a split covers at least this many BLOCK_S tiles of the longest possible row
 MAX_SPLITS = 32
 DEFAULT_NUM_SMS = 132  # H100 / H200; used off-GPU (interpreter)
-BF16_KEEP_C = tl.constexpr(-65536)  # 0xFFFF0000 as int32: sign, exponent and 7 mantissa bits
-_EMULATE = bool(triton.knobs.runtime.interpret)  # as triton.jit itself decides, at import
+_EMULATE = INTERPRET
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
-@triton.jit
-def _round_to(x, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
-    """fp32 -> DTYPE, round to nearest even (the spec's ``.to(q.dtype)``)."""
-    if DTYPE == tl.bfloat16 and EMULATE:
-        # The interpreter truncates: round the fp32 bits to 7 mantissa bits (a carry into the
-        # exponent is the correct round-up; Inf stays Inf, NaN is passed through), then cast exactly.
-        bits = x.to(tl.int32, bitcast=True)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & BF16_KEEP_C).to(tl.float32, bitcast=True)
-        return tl.where(x != x, x, rounded).to(DTYPE)
-    else:
-        return x.to(DTYPE)  # LLVM fptrunc: RNE (the interpreter's fp16 cast is numpy's, RNE too)
 
 
 @triton.jit
@@ -91,7 +78,7 @@ def _load_kv(row_ptr, scale_row_ptr, pos, offs_d, stride_s, stride_d, stride_sca
                 mask=s_mask[:, None] & d_mask[None, :], other=0)
     if IS_FP8:  # uint8 codes -> e4m3 -> fp32, times the token's scale, one rounding (kv_quant.dequantize_kv)
         scale = tl.load(scale_row_ptr + pos * stride_scale, mask=s_mask, other=0.0)
-        x = _round_to(x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None], DTYPE, EMULATE)
+        x = round_to(x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None], DTYPE, EMULATE)
     return x
 
 
@@ -174,7 +161,7 @@ def _decode_attention_kernel(
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
-        out = _round_to(acc / l[:, None], DTYPE, EMULATE)
+        out = round_to(acc / l[:, None], DTYPE, EMULATE)
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od, out,
                  mask=out_mask)
     else:
@@ -203,7 +190,7 @@ def _merge_splits_kernel(
     w = tl.exp2(lse - tl.max(lse, axis=0))  # (SPLITS_P2,); 0 for unused splits (lse = -inf)
     o = tl.load(part_out_ptr + part[:, None] * D + offs_d[None, :], mask=used[:, None] & d_mask[None, :], other=0.0)
     out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od, _round_to(out, DTYPE, EMULATE), mask=d_mask)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od, round_to(out, DTYPE, EMULATE), mask=d_mask)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, block_s: int, num_sms: int) -> int:

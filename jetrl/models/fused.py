@@ -1,0 +1,139 @@
+"""RMSNorm and RoPE as functions with a PyTorch reference (the spec) and an optional fused kernel.
+
+Why: the decoder calls these on every layer; on a GPU at decode sizes each eager op is its own
+launch-bound kernel (docs/benchmarks.md, section d). The fused Triton kernels
+(:mod:`jetrl.models.kernels.fused_triton`) do each in one launch. The references below are the
+model's math, unchanged; they run on CPU always, and on CUDA unless the fused path is on.
+
+Backend: fused on CUDA with Triton when ``JETRL_FUSED_OPS=1`` (read per call, so a test or the
+bench can toggle it; :func:`use_fused_ops` does so in a block). Off by default until measured
+on the GPU by ``jetrl bench`` (section d reports the decode step both ways) -- the kernels are
+tested against the references here under ``TRITON_INTERPRET=1``.
+
+The trainer and the engine call the same function, so with the fused path on both sides see
+the same kernel (RoPE is bit-identical to the reference anyway; RMSNorm differs from it only in
+the order of its row sum, and is batch-invariant: a row's result does not depend on the batch).
+Backward: autograd through the reference, recomputed from the saved input (the kernels are
+forward-only; norms and RoPE are cheap next to the GEMMs in training).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+_ENV = "JETRL_FUSED_OPS"
+
+
+def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``weight * (x / sqrt(mean(x^2) + eps))``: computed in fp32, cast back to x's dtype before ``* weight``."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: (B, H, T, D); cos/sin: (B|1, T, D). HF's half-split convention."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+def fused_ops_enabled(x: Tensor) -> bool:
+    """True if ``x``'s op should run the fused kernel: CUDA, Triton present, ``JETRL_FUSED_OPS=1``."""
+    flag = os.environ.get(_ENV, "0")
+    if flag not in ("0", "1"):
+        raise ValueError(f"{_ENV}={flag!r}: use 1 (fused RMSNorm/RoPE kernels on CUDA) or 0 (PyTorch ops)")
+    if flag == "0" or not x.is_cuda:
+        return False
+    from jetrl.models.kernels import has_triton
+
+    return has_triton()
+
+
+@contextlib.contextmanager
+def use_fused_ops(enabled: bool) -> Iterator[None]:
+    """Turn the fused path on or off inside the block (tests, the bench)."""
+    previous = os.environ.get(_ENV)
+    os.environ[_ENV] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(_ENV, None)
+        else:
+            os.environ[_ENV] = previous
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    if not fused_ops_enabled(x):
+        return rms_norm_reference(x, weight, eps)
+    from jetrl.models.kernels.fused_triton import rms_norm_triton
+
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _FusedRMSNorm.apply(x, weight, eps)
+    return rms_norm_triton(x, weight, eps)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    if not fused_ops_enabled(x) or x.shape[-1] % 2 or (x.shape[-1] // 2) & (x.shape[-1] // 2 - 1):
+        return apply_rope_reference(x, cos, sin)
+    from jetrl.models.kernels.fused_triton import apply_rope_triton
+
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _FusedRoPE.apply(x, cos, sin)
+    return apply_rope_triton(x, cos, sin)
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        from jetrl.models.kernels.fused_triton import rms_norm_triton
+
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return rms_norm_triton(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return (*_reference_grads(lambda a, w: rms_norm_reference(a, w, ctx.eps), (x, weight), grad,
+                                  ctx.needs_input_grad[:2]), None)
+
+
+class _FusedRoPE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        from jetrl.models.kernels.fused_triton import apply_rope_triton
+
+        ctx.save_for_backward(cos, sin)
+        ctx.x_meta = (x.shape, x.dtype, x.device)
+        return apply_rope_triton(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        # RoPE is linear in x, so its gradient does not depend on x's value: autograd through the
+        # reference at x = 0 gives it (the transposed rotation of grad), in the reference's rounding.
+        x = torch.zeros(ctx.x_meta[0], dtype=ctx.x_meta[1], device=ctx.x_meta[2])
+        (grad_x,) = _reference_grads(lambda a: apply_rope_reference(a, cos, sin), (x,), grad, (True,))
+        return grad_x, None, None
+
+
+def _reference_grads(fn, inputs: tuple[Tensor, ...], grad: Tensor, needed: tuple[bool, ...]) -> list[Tensor | None]:
+    """Gradients of ``fn(*inputs)`` against ``grad`` for the ``needed`` inputs, by autograd on the reference."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(need) for t, need in zip(inputs, needed)]
+        out = fn(*leaves)
+        wanted = [leaf for leaf, need in zip(leaves, needed) if need]
+        grads = iter(torch.autograd.grad(out, wanted, grad)) if wanted else iter(())
+    return [next(grads) if need else None for need in needed]

@@ -1,0 +1,114 @@
+"""Triton kernels for the decode step's small ops: RMSNorm and RoPE, one launch each.
+
+Why: at decode sizes every elementwise op of the model is a separate, launch-bound kernel. The
+H200 profile of one 8B decode step (docs/benchmarks.md, section d) shows ~180 µs per layer of
+copies, elementwise ops and reductions next to 165 µs of attention and 172 µs of GEMMs; eager
+RMSNorm alone is 8 kernels (upcast, square, mean, +eps, rsqrt, scale, downcast, weight) and
+RoPE 5 per tensor (neg, cat, two products, sum). Specs: :func:`jetrl.models.fused.rms_norm_reference`
+and :func:`jetrl.models.fused.apply_rope_reference`.
+
+Numerics, op for op as the references compute them in PyTorch (each product or sum of two
+model-dtype tensors is computed in fp32 and rounded once to the model dtype):
+
+    RMSNorm   r = rsqrt(sum(x^2) / D + eps)   (fp32; the sum is a row reduction: its order is
+                                               the kernel's, so r may differ from eager in the last
+                                               bit -- but it is the same for a row whatever the batch)
+              n = round_dtype(x * r);  y = round_out(w * n)
+    RoPE      y = round(round(x * cos) + round(rotate_half(x) * sin)),  rotate_half([a, b]) = [-b, a]
+              (bit-identical to the reference: no reduction)
+
+Under ``TRITON_INTERPRET=1`` the fp32 -> bf16 cast truncates, so the rounding is done on the
+bits there (``round_to``); on the GPU it is the hardware RNE cast.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from jetrl.fp8.kernels.rounding import INTERPRET, round_to
+
+_EMULATE = INTERPRET
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, num_cols, stride_x, stride_o, eps,
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, X_DTYPE: tl.constexpr,
+                     OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_C)
+    col_ok = cols < num_cols
+    mask = (rows[:, None] < num_rows) & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean_square = tl.math.div_rn(tl.sum(x * x, axis=1), num_cols.to(tl.float32))
+    r = tl.math.rsqrt(mean_square + eps)
+    n = round_to(x * r[:, None], X_DTYPE, EMULATE).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y = round_to(w[None, :] * n, OUT_DTYPE, EMULATE)
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], y, mask=mask)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same signature and result (up to the row sum's order) as ``rms_norm_reference``."""
+    cols = x.shape[-1]
+    assert weight.shape == (cols,) and weight.is_contiguous() and x.dtype in _TL_DTYPES, (x.shape, weight.shape)
+    x2d = x.reshape(-1, cols)
+    if x2d.stride(1) != 1:
+        x2d = x2d.contiguous()
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x2d.shape, dtype=out_dtype, device=x.device)
+    block_c = triton.next_power_of_2(cols)
+    block_r = max(1, min(64, 4096 // block_c))
+    grid = (triton.cdiv(x2d.shape[0], block_r),)
+    _rms_norm_kernel[grid](
+        x2d, weight, out, x2d.shape[0], cols, x2d.stride(0), out.stride(0), eps,
+        BLOCK_R=block_r, BLOCK_C=block_c, X_DTYPE=_TL_DTYPES[x.dtype], OUT_DTYPE=_TL_DTYPES[out_dtype],
+        EMULATE=_EMULATE, num_warps=4 if block_c * block_r <= 4096 else 8,
+    )
+    return out.view(*x.shape[:-1], cols)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_rows, H, T,
+                 sxb, sxh, sxt, sxd, scb, sct, scd, ssb, sst, ssd, sob, soh, sot, sod,
+                 HALF: tl.constexpr, BLOCK_R: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # flattened (b, h, t)
+    row_ok = rows < num_rows
+    t = rows % T
+    h = (rows // T) % H
+    b = rows // (T * H)
+    d = tl.arange(0, HALF)
+    mask = row_ok[:, None]
+    x_row = x_ptr + (b * sxb + h * sxh + t * sxt)[:, None]
+    x1 = tl.load(x_row + d[None, :] * sxd, mask=mask, other=0.0).to(tl.float32)  # first half
+    x2 = tl.load(x_row + (d[None, :] + HALF) * sxd, mask=mask, other=0.0).to(tl.float32)  # second half
+    c_row = cos_ptr + (b * scb + t * sct)[:, None]
+    s_row = sin_ptr + (b * ssb + t * sst)[:, None]
+    c1 = tl.load(c_row + d[None, :] * scd, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(c_row + (d[None, :] + HALF) * scd, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(s_row + d[None, :] * ssd, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(s_row + (d[None, :] + HALF) * ssd, mask=mask, other=0.0).to(tl.float32)
+    # rotate_half(x) = [-x2, x1]; each product and the sum rounded once to DTYPE, as eager does
+    y1 = round_to(x1 * c1, DTYPE, EMULATE).to(tl.float32) + round_to(-x2 * s1, DTYPE, EMULATE).to(tl.float32)
+    y2 = round_to(x2 * c2, DTYPE, EMULATE).to(tl.float32) + round_to(x1 * s2, DTYPE, EMULATE).to(tl.float32)
+    o_row = out_ptr + (b * sob + h * soh + t * sot)[:, None]
+    tl.store(o_row + d[None, :] * sod, round_to(y1, DTYPE, EMULATE), mask=mask)
+    tl.store(o_row + (d[None, :] + HALF) * sod, round_to(y2, DTYPE, EMULATE), mask=mask)
+
+
+def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Same signature and bit-identical result as ``apply_rope_reference``: x (B, H, T, D), cos/sin (B|1, T, D)."""
+    B, H, T, D = x.shape
+    assert D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0, f"head_dim {D}: the kernel takes D/2 a power of two"
+    assert cos.dtype == sin.dtype == x.dtype and x.dtype in _TL_DTYPES, (x.dtype, cos.dtype)
+    cos, sin = cos.expand(B, T, D), sin.expand(B, T, D)  # a batch-1 table broadcasts with stride 0
+    out = torch.empty_like(x)  # same strides as x (a transposed view stays one)
+    num_rows = B * H * T
+    block_r = max(1, min(32, 2048 // D))
+    _rope_kernel[(triton.cdiv(num_rows, block_r),)](
+        x, cos, sin, out, num_rows, H, T, *x.stride(), *cos.stride(), *sin.stride(), *out.stride(),
+        HALF=D // 2, BLOCK_R=block_r, DTYPE=_TL_DTYPES[x.dtype], EMULATE=_EMULATE, num_warps=4,
+    )
+    return out
