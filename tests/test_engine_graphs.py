@@ -17,6 +17,7 @@ from jetrl import fp8
 from jetrl.engine import Engine, SamplingParams
 from jetrl.engine.cuda_graph import DecodeGraphs
 from jetrl.models import CausalLM
+from jetrl.models.fused import use_fused_ops
 from jetrl.rl.logprobs import batch_trainer_logprobs
 
 from .conftest import requires_cuda
@@ -130,7 +131,9 @@ def test_cuda_graph_decode_matches_eager_and_full_forward(dtype):
 
 
 @requires_cuda
-def test_cuda_engine_logprobs_match_trainer_per_recipe(capsys):
+@pytest.mark.parametrize("fused_ops", [False, True])
+def test_cuda_engine_logprobs_match_trainer_per_recipe(capsys, fused_ops):
+    """With ``fused_ops`` both the engine and the trainer run the fused RMSNorm/RoPE kernels."""
     cfg = LOGPROB_CONFIG
     torch.manual_seed(1)
     base = CausalLM(cfg).to("cuda", torch.bfloat16)
@@ -138,23 +141,9 @@ def test_cuda_engine_logprobs_match_trainer_per_recipe(capsys):
     params = SamplingParams(n=4, temperature=1.0, max_tokens=48, seed=0)
     means = {}
     for name in ("bf16", "fp8_rollout", "jet", "fp8kv_rollout", "jet_kv"):
-        model = fp8.convert_to_float8(copy.deepcopy(base), fp8.get_recipe(name))
-        engine = Engine(model, max_slots=16, max_len=128)
-        engine.generate(prompts, params)  # captures the graphs this workload uses
-        _no_sync_windows(engine)
-        out = engine.generate(prompts, params)
-        pairs = [(p, c) for p, group in zip(prompts, out) for c in group]
-        with torch.no_grad():
-            trainer = batch_trainer_logprobs(model, [p for p, _ in pairs], [c.token_ids for _, c in pairs])
-        diff = torch.cat([(torch.tensor(c.logprobs, device="cuda") - t).abs() for (_, c), t in zip(pairs, trainer)])
-        means[name] = diff.mean().item()
-        with capsys.disabled():
-            print(
-                f"\n  cuda bf16-weights {name:12s} max {diff.max().item():.2e} mean {means[name]:.2e} "
-                f"median {diff.median().item():.2e}",
-                end="",
-            )
-    # Measured on an H200 (bf16 weights, mean |gap|): bf16 1.4e-3, fp8_rollout 1.8e-2, jet 8.3e-3,
+        with use_fused_ops(fused_ops):
+            means[name] = _engine_vs_trainer_gap(base, name, prompts, params, capsys, fused_ops)
+    # Measured on an H200 without fused ops (bf16 weights, mean |gap|): bf16 1.4e-3, fp8_rollout 1.8e-2, jet 8.3e-3,
     # fp8kv_rollout 7.0e-3, jet_kv 8.6e-3; the same with cuBLAS-only decode GEMMs or the reference
     # decode attention. In bf16 the decode and full-forward kernels round differently (bf16 gap),
     # and FP8 re-quantization downstream amplifies those ulps into code flips: that is jet's gap
@@ -182,3 +171,20 @@ def test_cuda_graphs_read_updated_fp8_weights_without_recapture():
     assert graphed.graphs.num_captures == captures, "weights changed in place: graphs must be replayed, not recaptured"
     eager = Engine(model, max_slots=6, max_len=40, use_cuda_graphs=False).generate(prompts, params)
     assert [[c.token_ids for c in g] for g in after] == [[c.token_ids for c in g] for g in eager]
+
+
+def _engine_vs_trainer_gap(base: CausalLM, name: str, prompts, params, capsys, fused_ops: bool) -> float:
+    """Mean |engine - trainer| logprob over the sampled tokens of ``prompts`` under recipe ``name``."""
+    model = fp8.convert_to_float8(copy.deepcopy(base), fp8.get_recipe(name))
+    engine = Engine(model, max_slots=16, max_len=128)
+    engine.generate(prompts, params)  # captures the graphs this workload uses
+    _no_sync_windows(engine)
+    out = engine.generate(prompts, params)
+    pairs = [(p, c) for p, group in zip(prompts, out) for c in group]
+    with torch.no_grad():
+        trainer = batch_trainer_logprobs(model, [p for p, _ in pairs], [c.token_ids for _, c in pairs])
+    diff = torch.cat([(torch.tensor(c.logprobs, device="cuda") - t).abs() for (_, c), t in zip(pairs, trainer)])
+    with capsys.disabled():
+        print(f"\n  cuda bf16-weights fused_ops={fused_ops} {name:13s} max {diff.max().item():.2e} "
+              f"mean {diff.mean().item():.2e} median {diff.median().item():.2e}", end="")
+    return diff.mean().item()
