@@ -67,10 +67,28 @@ def test_per_shape_choice_is_a_fixed_rule():
     from jetrl.fp8.gemm import SMALL_M_MAX, choose_backend
 
     for m in (1, 16, SMALL_M_MAX):
-        assert choose_backend(m, 4096, 4096) == "triton"
-    assert choose_backend(SMALL_M_MAX + 1, 4096, 4096) == "scaled_mm"
-    assert choose_backend(8192, 4096, 4096) == "scaled_mm"
-    assert choose_backend(16, 4096, 8192, (1, 128)) == "scaled_mm"  # wgrad operands: cuBLAS only
+        assert choose_backend(m) == "triton"
+    assert choose_backend(SMALL_M_MAX + 1) == "scaled_mm"
+    assert choose_backend(8192) == "scaled_mm"
+    assert choose_backend(16, (1, 128)) == "scaled_mm"  # wgrad operands: cuBLAS only
+
+
+@pytest.mark.parametrize("name", ["scaled_mm", "triton"])
+def test_env_backend_the_device_cannot_run_is_an_actionable_error(monkeypatch, name):
+    import jetrl.fp8.gemm as gemm
+
+    monkeypatch.setattr(gemm, "_resolved", {})
+    monkeypatch.setenv("JETRL_GEMM_BACKEND", name)
+    with pytest.raises(ValueError, match="needs an SM90"):
+        resolve_backend("cpu")
+
+
+def test_env_auto_means_the_emulation_off_sm90(monkeypatch):
+    import jetrl.fp8.gemm as gemm
+
+    monkeypatch.setattr(gemm, "_resolved", {})
+    monkeypatch.setenv("JETRL_GEMM_BACKEND", "auto")
+    assert resolve_backend("cpu") == "emulated"
 
 
 def test_env_var_must_name_a_backend(monkeypatch):
@@ -102,3 +120,25 @@ def test_scaled_mm_agrees_with_emulation(m, n, k, b_block):
     spec = gemm_emulated(a, b, torch.float32)
     rel = (fast - spec).norm() / spec.norm()
     assert rel < 5e-3, rel
+
+
+@requires_sm90
+def test_small_m_split_k_gemm_is_deterministic_and_leaves_counters_zero():
+    """The in-kernel split-K reduction: bitwise the same result on every call (new inputs each time,
+    a NaN-poisoned allocator so a stale partial would show), close to the spec, counters back at 0."""
+    from jetrl.fp8.kernels.gemm_triton import SmallMConfig, _counters, gemm_small_m
+
+    torch.manual_seed(0)
+    for m, n, k, split in [(1, 4096, 4096, 4), (16, 6144, 4096, 8), (64, 4096, 12288, 8)]:
+        b = quantize(torch.randn(n, k, device="cuda") * 0.02, (128, 128))
+        cfg = SmallMConfig(16 if m <= 16 else 64, 64, split)
+        for trial in range(5):
+            a = quantize(torch.randn(m, k, device="cuda"))
+            torch.empty(split * m * n * 4, dtype=torch.float32, device="cuda").fill_(float("nan"))  # poison
+            first = gemm_small_m(a.codes, a.scales, b.codes, b.scales, torch.float32, cfg)
+            for _ in range(20):
+                again = gemm_small_m(a.codes, a.scales, b.codes, b.scales, torch.float32, cfg)
+                assert torch.equal(again, first), (m, n, k, trial)
+            spec = gemm_emulated(a, b, torch.float32)
+            assert float((first - spec).norm() / spec.norm()) < 5e-4  # H200: 1e-7 (mma), 1.3e-4 (wgmma, M=64)
+        assert int(_counters[torch.device("cuda", torch.cuda.current_device())].abs().sum()) == 0

@@ -3,9 +3,9 @@
 Margins, from the runs in docs/benchmarks.md ("Embedded default and tiny preset"):
 * learning: held-out greedy accuracy rises by >= 30 points under bf16, jet and jet_kv (measured
   about +80 points for bf16/jet), and by >= 20 points under the off-policy fp8_rollout; jet_kv (FP8
-  KV cache, the trainer sees the same FP8 K/V) ends within 10 points of bf16 (measured on 2 CPU
-  cores: bf16 0.02 -> 0.89, jet 0.12 -> 0.82, jet_kv 0.28 -> 0.84; its start is higher because
-  FP8 tips some near-ties of the start's greedy answers, see docs/benchmarks.md);
+  KV cache, the trainer sees the same FP8 K/V) ends within 10 points of bf16 (measured on the 2-core
+  CPU box, docs/benchmarks.md "CPU, all five recipes": bf16 0.02 -> 0.89, jet 0.12 -> 0.82, jet_kv
+  0.28 -> 0.84; its start is higher because FP8 tips some near-ties of the start's greedy answers);
 * mismatch: jet's rollout-vs-trainer k3 KL is no larger than bf16's + 1e-6 and its token
   multiplicative probability error no larger than bf16's + 1e-4 (both at rounding level on
   CPU, where the FP8 forward is batch-invariant); the same holds for jet_kv; fp8_rollout's k3 KL is

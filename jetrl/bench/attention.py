@@ -46,7 +46,8 @@ def decode_attention_rows(cfg: BenchConfig, device: torch.device, lengths: list[
             kk, vv, elem = (k * 8).to(E4M3), (v * 8).to(E4M3), 1
             kw = {"k_scales": torch.full((B, Hkv, S), 0.125, device=device),
                   "v_scales": torch.full((B, Hkv, S), 0.125, device=device)}
-        err = rel_err(decode_attention(q, kk, vv, lengths_t, **kw), decode_attention_reference(q, kk, vv, lengths_t, **kw))
+        out = decode_attention(q, kk, vv, lengths_t, **kw)
+        err = rel_err(out, decode_attention_reference(q, kk, vv, lengths_t, **kw))
         us = graph_time_us(lambda kk=kk, vv=vv, kw=kw: decode_attention(q, kk, vv, lengths_t, **kw), device,
                            calls=cfg.graph_calls, replays=cfg.graph_replays)
         nbytes = 2 * valid * Hkv * D * elem + (2 * valid * Hkv * 4 if cache == "fp8" else 0)

@@ -22,7 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="every section at tiny shapes, 1-2 iterations: on CPU by default (emulated FP8, no CUDA "
                         "graphs; the CI test), or --device cuda for a quick GPU check; timings meaningless")
     p.add_argument("--device", default=None, help="default: cuda, or cpu with --smoke")
-    p.add_argument("--layers", type=int, default=None, help="decoder layers of the 8B-shaped model in d, e (default 36)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers of the 8B-shaped model in d, e (default 36)")
     p.add_argument("--train-layers", type=int, default=None,
                    help="decoder layers of the 8B-shaped model in f, g (default 8)")
     p.add_argument("--no-long-context", dest="long_context", action="store_false",

@@ -49,14 +49,6 @@ def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
         return CausalLM(config)
 
 
-def recipe_available(name: str) -> bool:
-    try:
-        get_recipe(name)
-    except ValueError:
-        return False
-    return True
-
-
 def strip_precision(model: nn.Module) -> nn.Module:
     """Undo ``convert_to_float8`` in place: Float8Linear -> nn.Linear (same Parameters), no KV transform."""
     for fqn, module in float8_modules(model).items():

@@ -94,8 +94,8 @@ def _version(package: str) -> str | None:
 
 def _git(*args: str) -> str | None:
     try:
-        done = subprocess.run(["git", *args], check=False, cwd=Path(__file__).resolve().parent, capture_output=True, text=True,
-                              timeout=10)
+        done = subprocess.run(["git", *args], check=False, cwd=Path(__file__).resolve().parent, capture_output=True,
+                              text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() if done.returncode == 0 else None

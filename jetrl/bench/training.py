@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from jetrl.bench.checks import status
-from jetrl.bench.models import free_device_memory, random_model, recipe_available, strip_precision
+from jetrl.bench.models import free_device_memory, random_model, strip_precision
 from jetrl.bench.report import error_row, set_target
 from jetrl.bench.shapes import BenchConfig
 from jetrl.bench.synthetic import IdTokenizer, parity_reward, random_batch, random_records
@@ -130,8 +130,6 @@ def rl_step(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any]]:
     num = cfg.rl_prompts * cfg.rl_generations
     step, phases, rows, problems = {}, {}, [], []
     for recipe, old_logprobs in RL_STEP_CONFIGS:
-        if recipe != "bf16" and not recipe_available(recipe):
-            continue
         key = (recipe, old_logprobs)
         try:
             trainer = _trainer(model, recipe, records, generations=cfg.rl_generations, batch=num,

@@ -50,6 +50,7 @@ from jetrl.engine.scheduler import IncrementalDetokenizer, Scheduler, Sequence, 
 from jetrl.fp8 import float8_modules, precision_phase
 from jetrl.fp8.convert import model_recipe
 from jetrl.fp8.kernels import has_triton
+from jetrl.models.fused import fused_ops_requested
 
 
 @dataclass
@@ -157,10 +158,12 @@ class Engine:
             self._fingerprint = None
 
     def _check_graph_weights(self) -> None:
-        """Drop CUDA graphs if a parameter moved or an FP8 weight was re-quantized since capture."""
+        """Drop CUDA graphs if a parameter moved, an FP8 weight was re-quantized or the fused-ops
+        switch (models/fused.py) changed since capture."""
         # quantized_weight() reads (and if stale fills) the same cache entry the rollout forward reads
         codes = [m.quantized_weight() for m in float8_modules(self.model).values() if m.recipe.rollout.is_fp8]
-        fingerprint = (tuple(p.data_ptr() for p in self.model.parameters()), tuple(id(q) for q in codes))
+        fingerprint = (tuple(p.data_ptr() for p in self.model.parameters()), tuple(id(q) for q in codes),
+                       fused_ops_requested())
         if fingerprint != self._fingerprint:
             self.graphs.reset()
             self._fingerprint, self._held_codes = fingerprint, codes

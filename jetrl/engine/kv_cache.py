@@ -119,12 +119,14 @@ class StaticKVCache:
         return self.k.nbytes + self.v.nbytes + scales
 
     # ------------------------------------------------------------------ storage format
-    def encode(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[tuple[Tensor, ...], tuple[Tensor, Tensor]]:
-        """This call's k/v (B, Hkv, T, D) as stored, and as attention must read them.
+    def encode(self, layer_idx: int, k: Tensor, v: Tensor, *, want_read: bool = True
+               ) -> tuple[tuple[Tensor, ...], tuple[Tensor, Tensor] | None]:
+        """This call's k/v (B, Hkv, T, D) as stored, and (if ``want_read``) as attention must read them.
 
         Returns ``(stored, read)``: ``stored`` is (k, v) for a model-dtype cache, or (k codes as
         uint8, v codes as uint8, k scales (B, Hkv, T), v scales) for an FP8 cache, in the order of
-        :meth:`storage`; ``read`` is (k, v) in the model dtype (dequantized for FP8).
+        :meth:`storage`; ``read`` is (k, v) in the model dtype (dequantized for FP8), or None when
+        not wanted (a decode step reads the whole rows back from the cache instead).
         """
         if not self.is_fp8:
             return (k, v), (k, v)
@@ -134,6 +136,8 @@ class StaticKVCache:
         k_codes, v_codes = kq.codes.view(k.shape), vq.codes.view(v.shape)
         k_scales, v_scales = kq.scales.view(k.shape[:-1]), vq.scales.view(v.shape[:-1])
         stored = (k_codes.view(torch.uint8), v_codes.view(torch.uint8), k_scales, v_scales)
+        if not want_read:
+            return stored, None
         return stored, (dequantize_kv(k_codes, k_scales, self.dtype), dequantize_kv(v_codes, v_scales, self.dtype))
 
     def storage(self, layer_idx: int) -> tuple[Tensor, ...]:
@@ -226,7 +230,7 @@ class DecodeView:
             )
         if self._index is None:  # same for every layer: (B, Hkv, 1, D) copies of lengths[s]
             self._index = self.cache.lengths[:B].view(B, 1, 1, 1).expand(B, H, 1, D)
-        stored, _ = self.cache.encode(layer_idx, k, v)
+        stored, _ = self.cache.encode(layer_idx, k, v, want_read=False)
         for buf, value in zip(self.cache.storage(layer_idx), stored):
             rows = buf[:B]  # a view: (B, Hkv, max_len, D) data or (B, Hkv, max_len) scales
             index = self._index if value.dim() == 4 else self._index[..., 0]

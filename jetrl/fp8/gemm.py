@@ -29,7 +29,7 @@ overridable (``override_backend``, or the ``JETRL_GEMM_BACKEND`` environment var
 * ``triton``: the small-M split-K kernel (kernels/gemm_triton.py) for decode-sized GEMMs
   against a 128x128-block weight, where cuBLAS's fixed per-call cost dominates.
 
-Per-shape dispatch on SM90 (:func:`choose_backend`) is a fixed rule of (M, N, K) -- never a
+Per-shape dispatch on SM90 (:func:`choose_backend`) is a fixed rule of the shape -- never a
 timing taken at run time -- so a given shape always runs the same kernel with the same
 summation order and results are reproducible. The thresholds come from ``jetrl bench``
 section (c) on an H200 (docs/benchmarks.md). BF16 is not a candidate: a BF16 GEMM would
@@ -64,7 +64,7 @@ def fp8_gemm(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype = torch.bf
     _check_operands(a, b)
     backend = resolve_backend(a.codes.device)
     if backend == "auto":
-        backend = choose_backend(a.shape[0], b.shape[0], a.shape[1], b.block)
+        backend = choose_backend(a.shape[0], b.block)
     if backend == "triton" and b.block == (BLOCK, BLOCK):
         from jetrl.fp8.kernels.gemm_triton import gemm_small_m
 
@@ -74,8 +74,12 @@ def fp8_gemm(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype = torch.bf
     return gemm_emulated(a, b, out_dtype, torch.float64 if batch_invariant else torch.float32)
 
 
-def choose_backend(m: int, n: int, k: int, b_block: tuple[int, int] = (BLOCK, BLOCK)) -> str:
-    """The SM90 kernel for an (m, n, k) GEMM: a fixed rule of the shape (see module docstring)."""
+def choose_backend(m: int, b_block: tuple[int, int] = (BLOCK, BLOCK)) -> str:
+    """The SM90 kernel for a GEMM of ``m`` rows: a fixed rule of the shape (see module docstring).
+
+    Only M and the weight layout decide today: section (c) of ``jetrl bench`` measured the Triton
+    kernel ahead of cuBLAS at M <= 64 on every N x K of an 8B layer, and behind it at M >= 128.
+    """
     if b_block == (BLOCK, BLOCK) and m <= SMALL_M_MAX:
         return "triton"
     return "scaled_mm"
@@ -99,7 +103,8 @@ def gemm_emulated(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype = tor
 def resolve_backend(device: torch.device | str) -> str:
     """The backend for ``device``: the override if set, else chosen once per device.
 
-    ``"auto"`` (SM90 with Triton) means :func:`choose_backend` picks per shape.
+    ``"auto"`` (the default on SM90 with Triton) means :func:`choose_backend` picks per shape.
+    A backend named in ``JETRL_GEMM_BACKEND`` that the device cannot run raises a ValueError.
     """
     if _override is not None:
         return _override
@@ -107,12 +112,21 @@ def resolve_backend(device: torch.device | str) -> str:
     key = f"{device.type}:{device.index}"
     if key not in _resolved:
         env = os.environ.get("JETRL_GEMM_BACKEND")
-        if env is not None and env not in BACKENDS:
-            raise ValueError(f"JETRL_GEMM_BACKEND={env!r} is not a backend; use one of {BACKENDS}")
-        if env is None and has_block_scaled_mm(device):
+        if env is not None and env not in (*BACKENDS, "auto"):
+            raise ValueError(f"JETRL_GEMM_BACKEND={env!r} is not a backend; use auto or one of {BACKENDS}")
+        if env == "auto" and not has_block_scaled_mm(device):
+            env = None  # auto off SM90: the emulation
+        if env not in (None, "emulated") and not has_block_scaled_mm(device):
+            raise ValueError(
+                f"JETRL_GEMM_BACKEND={env} needs an SM90+ GPU with block-scaled F.scaled_mm (the Triton "
+                f"kernel hands wgrad's 1x128 operands to it); {device} has none: unset it or use emulated"
+            )
+        if env in (None, "auto", "triton") and has_block_scaled_mm(device):
             from jetrl.fp8.kernels import has_triton
 
-            env = "auto" if has_triton() else "scaled_mm"
+            if env == "triton" and not has_triton():
+                raise ValueError("JETRL_GEMM_BACKEND=triton but Triton is not installed; pip install triton")
+            env = env if env == "triton" else ("auto" if has_triton() else "scaled_mm")
         _resolved[key] = env or "emulated"
     return _resolved[key]
 

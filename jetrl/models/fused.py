@@ -5,8 +5,8 @@ launch-bound kernel (docs/benchmarks.md, section d). The fused Triton kernels
 (:mod:`jetrl.models.kernels.fused_triton`) do each in one launch. The references below are the
 model's math, unchanged; they run on CPU always, and on CUDA unless the fused path is on.
 
-Backend: fused on CUDA with Triton when ``JETRL_FUSED_OPS=1`` (read per call, so a test or the
-bench can toggle it; :func:`use_fused_ops` does so in a block). Off by default until measured
+Backend: fused on CUDA with Triton when ``JETRL_FUSED_OPS=1``, or inside ``use_fused_ops(True)``
+(an in-process override, for tests and the bench). Off by default until measured
 on the GPU by ``jetrl bench`` (section d reports the decode step both ways) -- the kernels are
 tested against the references here under ``TRITON_INTERPRET=1``.
 
@@ -48,12 +48,22 @@ def apply_rope_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
-def fused_ops_enabled(x: Tensor) -> bool:
-    """True if ``x``'s op should run the fused kernel: CUDA, Triton present, ``JETRL_FUSED_OPS=1``."""
+_override: list[bool] = []  # use_fused_ops blocks, innermost last
+
+
+def fused_ops_requested() -> bool:
+    """Whether the fused path is asked for: the innermost :func:`use_fused_ops`, else ``JETRL_FUSED_OPS``."""
+    if _override:
+        return _override[-1]
     flag = os.environ.get(_ENV, "0")
     if flag not in ("0", "1"):
         raise ValueError(f"{_ENV}={flag!r}: use 1 (fused RMSNorm/RoPE kernels on CUDA) or 0 (PyTorch ops)")
-    if flag == "0" or not x.is_cuda:
+    return flag == "1"
+
+
+def fused_ops_enabled(x: Tensor) -> bool:
+    """True if ``x``'s op runs the fused kernel: requested, ``x`` on CUDA, and Triton installed."""
+    if not (fused_ops_requested() and x.is_cuda):
         return False
     from jetrl.models.kernels import has_triton
 
@@ -62,16 +72,16 @@ def fused_ops_enabled(x: Tensor) -> bool:
 
 @contextlib.contextmanager
 def use_fused_ops(enabled: bool) -> Iterator[None]:
-    """Turn the fused path on or off inside the block (tests, the bench)."""
-    previous = os.environ.get(_ENV)
-    os.environ[_ENV] = "1" if enabled else "0"
+    """Turn the fused path on or off inside the block (in this process only; tests, the bench).
+
+    The engine keys its CUDA graphs on this setting, so toggling it between generate calls
+    recaptures rather than replaying graphs of the other path.
+    """
+    _override.append(bool(enabled))
     try:
         yield
     finally:
-        if previous is None:
-            os.environ.pop(_ENV, None)
-        else:
-            os.environ[_ENV] = previous
+        _override.pop()
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -85,8 +95,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    if not fused_ops_enabled(x) or x.shape[-1] % 2 or (x.shape[-1] // 2) & (x.shape[-1] // 2 - 1):
-        return apply_rope_reference(x, cos, sin)
+    half = x.shape[-1] // 2
+    if not fused_ops_enabled(x) or x.shape[-1] % 2 or half & (half - 1) or not (x.dtype == cos.dtype == sin.dtype):
+        return apply_rope_reference(x, cos, sin)  # shapes/dtypes the kernel does not take: the reference
     from jetrl.models.kernels.fused_triton import apply_rope_triton
 
     if torch.is_grad_enabled() and x.requires_grad:

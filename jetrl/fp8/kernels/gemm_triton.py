@@ -84,14 +84,17 @@ def _gemm_small_m_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
     else:
         # Deterministic split-K: every split writes its fp32 partial tile, then bumps the tile's
-        # counter (acq_rel: the partial is visible before the count); the split that arrives
-        # last sums the SPLIT_K partials in index order, writes the output and resets the
-        # counter to 0 for the next call (so CUDA-graph replays need no memset).
+        # counter; the split that arrives last sums the SPLIT_K partials in index order, writes
+        # the output and resets the counter to 0 for the next call (so CUDA-graph replays need no
+        # memset). The barriers make the whole CTA's partial stores precede the (acq_rel) bump,
+        # and the bump precede every thread's reads of the other partials (read past L1: .cg).
         tile_elems = M * N
         work = work_ptr + rows[:, None] * N + cols[None, :]
         tl.store(work + pid_k * tile_elems, acc, mask=tile_mask)
+        tl.debug_barrier()
         tile_id = pid_m * tl.num_programs(0) + pid_n
         arrived = tl.atomic_add(count_ptr + tile_id, 1, sem="acq_rel")
+        tl.debug_barrier()
         if arrived == SPLIT_K - 1:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(SPLIT_K):
@@ -100,14 +103,25 @@ def _gemm_small_m_kernel(
             tl.atomic_xchg(count_ptr + tile_id, 0)
 
 
+MAX_TILES = 65536  # counters per device: M <= 64 rows in 16-row tiles x N up to 262144 in 64-wide tiles
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
-def _tile_counters(device: torch.device, num_tiles: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters, one per output tile; kept zero by the kernel itself."""
+def _tile_counters(device: torch.device) -> torch.Tensor:
+    """The device's zeroed int32 arrival counters, one per output tile, kept zero by the kernel itself.
+
+    One fixed buffer per device, allocated on the first split-K call and never replaced (captured
+    CUDA graphs keep pointing at it). It is shared by all calls, so split-K GEMMs must not run
+    concurrently on two streams of one device (jetrl runs its GEMMs on one stream).
+    """
     buf = _counters.get(device)
-    if buf is None or buf.numel() < num_tiles:
-        buf = _counters[device] = torch.zeros(max(num_tiles, 8192), dtype=torch.int32, device=device)
+    if buf is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "gemm_small_m: the split-K counters are allocated on the first call, which must not be "
+                "inside CUDA-graph capture; run the GEMM once (a warm-up) before capturing"
+            )
+        buf = _counters[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
     return buf
 
 
@@ -118,7 +132,7 @@ def gemm_small_m(
     """out[M, N] = deq(a) @ deq(b)^T for a (M, K) 1x128 and b (N, K) 128x128 (row-major codes).
 
     One launch (the split-K sum is done in-kernel by the last split of each tile); the
-    counters are allocated on first use, so run once before capturing a CUDA graph.
+    counters are allocated on the first call, so run once before capturing a CUDA graph.
     """
     m, k = a_codes.shape
     n = b_codes.shape[0]
@@ -129,9 +143,12 @@ def gemm_small_m(
     groups_per_split = triton.cdiv(triton.cdiv(k, 128), cfg.split_k)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), cfg.split_k)
     out = torch.empty((m, n), dtype=out_dtype, device=a_codes.device)
+    if cfg.split_k > 1 and grid[0] * grid[1] > MAX_TILES:
+        cfg = SmallMConfig(cfg.block_m, cfg.block_n, 1, cfg.num_warps, cfg.num_stages)  # no counters needed
+        groups_per_split, grid = triton.cdiv(k, 128), (grid[0], grid[1], 1)
     if cfg.split_k > 1:
         work = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=a_codes.device)
-        counters = _tile_counters(a_codes.device, grid[0] * grid[1])
+        counters = _tile_counters(a_codes.device)
     else:
         work = counters = out  # unused
     _gemm_small_m_kernel[grid](

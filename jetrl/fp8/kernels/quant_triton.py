@@ -114,7 +114,7 @@ def _quantize_kernel(
     EXPLICIT_ROUND: tl.constexpr,
 ):
     pid_c, pid_r = tl.program_id(0), tl.program_id(1)  # column groups vary fastest: sequential reads
-    rows = pid_r * TILE_R + tl.arange(0, TILE_R)
+    rows = pid_r.to(tl.int64) * TILE_R + tl.arange(0, TILE_R)  # int64: offsets of >= 2^31 elements
     cols = pid_c * GROUP_COLS + tl.arange(0, GROUP_COLS)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
@@ -171,11 +171,11 @@ def _quantize_dual_kernel(
     # their x^T scales and codes at once, and accumulates the row amaxes. Pass 2 re-reads the
     # chunks (from cache: DRAM sees x once) and writes q(x) with the now complete row scales.
     pid_k, pid_m = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * 128 + tl.arange(0, 128)
+    rows = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)  # int64 offsets (cols * M below)
     row_ok = rows < M
     amax = tl.zeros((128,), dtype=tl.float32)
     for c in range(128 // CHUNK):
-        cols = pid_k * 128 + c * CHUNK + tl.arange(0, CHUNK)
+        cols = pid_k.to(tl.int64) * 128 + c * CHUNK + tl.arange(0, CHUNK)
         mask = row_ok[:, None] & (cols[None, :] < K)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, _amax(x, 1))
@@ -187,7 +187,7 @@ def _quantize_dual_kernel(
     scale, reciprocal = _scale_and_reciprocal(amax, amax == float("inf"), POW2)
     tl.store(scales_ptr + rows * num_k_groups + pid_k, scale, mask=row_ok)
     for c in range(128 // CHUNK):
-        cols = pid_k * 128 + c * CHUNK + tl.arange(0, CHUNK)
+        cols = pid_k.to(tl.int64) * 128 + c * CHUNK + tl.arange(0, CHUNK)
         mask = row_ok[:, None] & (cols[None, :] < K)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
         code_bits = _code_bits(x * reciprocal[:, None], (scale != scale)[:, None], EXPLICIT_ROUND)

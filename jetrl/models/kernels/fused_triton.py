@@ -37,7 +37,7 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, num_cols, stride_x, stride_o, eps,
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, X_DTYPE: tl.constexpr,
                      OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
     col_ok = cols < num_cols
     mask = (rows[:, None] < num_rows) & col_ok[None, :]
@@ -74,7 +74,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_rows, H, T,
                  sxb, sxh, sxt, sxd, scb, sct, scd, ssb, sst, ssd, sob, soh, sot, sod,
                  HALF: tl.constexpr, BLOCK_R: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # flattened (b, h, t)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # flattened (b, h, t)
     row_ok = rows < num_rows
     t = rows % T
     h = (rows // T) % H
