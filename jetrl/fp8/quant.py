@@ -214,16 +214,22 @@ QUANT_BACKENDS = ("reference", "triton")
 _impls: dict[str, Callable] = {}
 
 
-def quant_backend(device: torch.device) -> str:
-    """The quantizer implementation used on ``device``."""
-    env = os.environ.get("JETRL_QUANT_BACKEND")
-    if env is not None and env not in QUANT_BACKENDS:
-        raise ValueError(f"JETRL_QUANT_BACKEND={env!r} is not a backend; use one of {QUANT_BACKENDS}")
-    if env is not None:
-        return env
-    from jetrl.fp8.kernels import has_triton
+_backend_by_type: dict[str, str] = {}
 
-    return "triton" if device.type == "cuda" and has_triton() else "reference"
+
+def quant_backend(device: torch.device) -> str:
+    """The quantizer implementation used on ``device`` (resolved once per device type)."""
+    backend = _backend_by_type.get(device.type)
+    if backend is None:
+        env = os.environ.get("JETRL_QUANT_BACKEND")
+        if env is not None and env not in QUANT_BACKENDS:
+            raise ValueError(f"JETRL_QUANT_BACKEND={env!r} is not a backend; use one of {QUANT_BACKENDS}")
+        if env is None:
+            from jetrl.fp8.kernels import has_triton
+
+            env = "triton" if device.type == "cuda" and has_triton() else "reference"
+        backend = _backend_by_type[device.type] = env
+    return backend
 
 
 def _implementation(device: torch.device, block: tuple[int, int]) -> Callable:
