@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The GPU session's one call: the GPU-only tests, then the whole `jetrl bench`, on a CUDA machine with
+# torch, triton and transformers but possibly no pip index (the H200 device of this project).
+#
+#   bash ci/gpu-check.sh OUT_DIR [WHEEL_DIR]
+#
+# WHEEL_DIR (optional) holds pure-Python wheels to make importable without pip -- pytest and its
+# dependencies when the machine lacks them (`pip download pytest pluggy iniconfig packaging --no-deps -d DIR`
+# on a machine with an index). Writes OUT_DIR/gpu-tests.log, OUT_DIR/bench.log and OUT_DIR/bench/bench.json;
+# exits non-zero if the tests or the bench failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:?usage: ci/gpu-check.sh OUT_DIR [WHEEL_DIR]}"
+mkdir -p "$out"
+extra=""
+if [ -n "${2:-}" ]; then
+  extra="$(mktemp -d)"
+  for w in "$2"/*.whl; do python3 -m zipfile -e "$w" "$extra"; done
+fi
+export PYTHONPATH=".${extra:+:$extra}"
+python3 -m pytest -q -p no:cacheprovider -rs -s tests/test_engine_graphs.py tests/test_gemm.py tests/test_fused_ops.py \
+  tests/test_decode_attention.py tests/test_kernels.py tests/test_linear.py tests/test_quant.py > "$out/gpu-tests.log" 2>&1
+tests_rc=$?
+tail -n 30 "$out/gpu-tests.log"
+python3 -m jetrl bench --out "$out/bench" > "$out/bench.log" 2>&1
+bench_rc=$?
+grep -A200 "^   measure" "$out/bench.log" | grep -v '^{"jetrl_bench"' | head -120
+echo "gpu tests rc=$tests_rc, bench rc=$bench_rc"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
