@@ -1,7 +1,7 @@
 """Small-M (decode) W8A8 block-FP8 GEMM in Triton; its spec is :func:`jetrl.fp8.gemm.gemm_emulated`.
 
-Why: at decode sizes (M <= 256 rows against an 8B layer's N x K weight) the GEMM is bound by
-reading the weight, N*K bytes of FP8 codes. cuBLAS's block-scaled path carries a fixed cost
+Why: at decode sizes (a few to 64 rows against an 8B layer's N x K weight; the dispatcher in
+gemm.py sends M <= 64 here) the GEMM is bound by reading the weight, N*K bytes of FP8 codes. cuBLAS's block-scaled path carries a fixed cost
 of about 15 us per call (design.md §3: slower than BF16 on 4096x4096 at M = 16), and a plain
 tile-per-output kernel leaves most of the 132 SMs idle when N / BLOCK_N is small. This
 kernel splits K as well, so ``num_n_blocks * split_k`` programs stream disjoint slices of
@@ -18,9 +18,10 @@ fp32 accumulation), scales the partial sum and adds it to an fp32 accumulator. W
 ``split_k > 1`` the programs write fp32 partial sums to a (split_k, M, N) workspace and the
 last split to finish a tile (an atomic arrival counter) sums the partials in split order and
 writes the output: one launch, and no atomic *accumulation*, so the result is deterministic
-run to run. The tile configuration is a function of
-the shape only (:func:`small_m_config`), never of timings, so the same shape always takes the
-same summation order.
+run to run. The counters are one fixed buffer per device that the kernel resets itself (no
+memset per call, CUDA-graph safe); split-K calls must therefore not overlap on two streams. The
+tile configuration is a function of the shape only (:func:`small_m_config`), never of timings,
+so the same shape always takes the same summation order.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def small_m_config(m: int, n: int, k: int) -> SmallMConfig:
 
     From a sweep on an H200 (BLOCK_N in {64, 128}, split_k in {1, 2, 4, 8}, 3-4 stages, 4-8
     warps) over the decode GEMMs of an 8B layer at M in {1, 16, 32, 64}: BLOCK_N = 64 and 4
-    warps won everywhere; wide layers (N >= 16384: gate_up) have enough tiles without a
+    warps won in 15 of 16 cases; wide layers (N >= 16384: gate_up) have enough tiles without a
     split, long K (down, K = 12288) wants 8 splits, the rest 4.
     """
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
