@@ -4,6 +4,7 @@ The evidence behind docs/benchmarks.md section (d). GPU only.
 
     PYTHONPATH=. python3 bench/profile_decode_step.py
 """
+
 import collections
 
 import torch
@@ -26,7 +27,8 @@ def main() -> None:
         engine = Engine(model, max_slots=256, max_len=max(lengths) + 2)
         fill_cache(engine.cache, model.config, lengths, DEV, torch.bfloat16)
         with torch.no_grad(), precision_phase("rollout"):
-            engine.graphs(256); torch.cuda.synchronize()
+            engine.graphs(256)
+            torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
                     engine.graphs(256)
@@ -34,16 +36,22 @@ def main() -> None:
         ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         tot = collections.defaultdict(lambda: [0, 0.0])
         for e in ev:
-            t = tot[e.name[:70]]; t[0] += 1; t[1] += e.device_time
+            t = tot[e.name[:70]]
+            t[0] += 1
+            t[1] += e.device_time
         n = len(ev) / 5
         gpu = sum(v[1] for v in tot.values()) / 5
         print(f"== {recipe}: {n:.0f} kernels per step (4 layers + lm_head), GPU busy {gpu:.0f} us per step")
         for name, (c, us) in sorted(tot.items(), key=lambda kv: -kv[1][1])[:22]:
-            print(f"{us/5:9.1f} us {c/5:5.0f}x  {name}")
+            print(f"{us / 5:9.1f} us {c / 5:5.0f}x  {name}")
         import time
-        torch.cuda.synchronize(); t0 = time.perf_counter()
-        for _ in range(20): engine.graphs(256)
-        torch.cuda.synchronize(); print("replay ms", (time.perf_counter() - t0) / 20 * 1e3)
+
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            engine.graphs(256)
+        torch.cuda.synchronize()
+        print("replay ms", (time.perf_counter() - t0) / 20 * 1e3)
         del engine
 
 

@@ -3,6 +3,7 @@ caches, against SDPA over the full static cache. GPU only; writes $OUT/attn.json
 
     PYTHONPATH=. OUT=/tmp python3 bench/sweep_decode_attention.py
 """
+
 import itertools
 import json
 import os
@@ -17,9 +18,11 @@ from jetrl.engine.kernels.decode_attention_triton import decode_attention_triton
 
 
 def main() -> None:
-    DEV = torch.device("cuda"); OUT = os.environ.get("OUT", "/tmp"); res = []
+    DEV = torch.device("cuda")
+    OUT = os.environ.get("OUT", "/tmp")
+    res = []
     t0 = time.time()
-    for (B, S, lo, hi) in [(256, 1152, 128, 1152), (64, 4096, 3072, 4096)]:
+    for B, S, lo, hi in [(256, 1152, 128, 1152), (64, 4096, 3072, 4096)]:
         H, Hkv, D = 32, 8, 128
         g = torch.Generator(device="cpu").manual_seed(0)
         lengths = torch.randint(lo, hi, (B,), generator=g).to(DEV)
@@ -27,13 +30,19 @@ def main() -> None:
         q = torch.randn(B, H, D, device=DEV, dtype=torch.bfloat16)
         kb = torch.randn(2, B, Hkv, S, D, device=DEV, dtype=torch.bfloat16)
         vb = torch.randn(2, B, Hkv, S, D, device=DEV, dtype=torch.bfloat16)
-        k8 = (kb * 4).to(torch.float8_e4m3fn); v8 = (vb * 4).to(torch.float8_e4m3fn)
-        ks = torch.rand(2, B, Hkv, S, device=DEV) * 0.25 + 0.01; vs = torch.rand(2, B, Hkv, S, device=DEV) * 0.25 + 0.01
+        k8 = (kb * 4).to(torch.float8_e4m3fn)
+        v8 = (vb * 4).to(torch.float8_e4m3fn)
+        ks = torch.rand(2, B, Hkv, S, device=DEV) * 0.25 + 0.01
+        vs = torch.rand(2, B, Hkv, S, device=DEV) * 0.25 + 0.01
         mask = (torch.arange(S, device=DEV)[None, :] <= lengths[:, None])[:, None, None, :]
         qs = q.view(B, Hkv, H // Hkv, D)
-        sdpa_us = graph_time_us(lambda: F.scaled_dot_product_attention(qs, kb[1], vb[1], attn_mask=mask), DEV, calls=5, replays=5)
+        sdpa_us = graph_time_us(
+            lambda: F.scaled_dot_product_attention(qs, kb[1], vb[1], attn_mask=mask), DEV, calls=5, replays=5
+        )
         base = {"B": B, "S": S, "avg_ctx": valid / B}
-        res.append({**base, "kind": "sdpa_full_bf16", "us": sdpa_us, "valid_tb_s": valid * Hkv * D * 2 * 2 / sdpa_us / 1e6})
+        res.append(
+            {**base, "kind": "sdpa_full_bf16", "us": sdpa_us, "valid_tb_s": valid * Hkv * D * 2 * 2 / sdpa_us / 1e6}
+        )
         print(res[-1], flush=True)
         for fp8 in (False, True):
             kk, vv = (k8[1], v8[1]) if fp8 else (kb[1], vb[1])
@@ -41,18 +50,34 @@ def main() -> None:
             ref = decode_attention_reference(q, kk, vv, lengths, **kw).float()
             nbytes = valid * Hkv * D * (1 if fp8 else 2) * 2 + (valid * Hkv * 4 * 2 if fp8 else 0)
             best = None
-            for bs, nw, st, sp in itertools.product((32, 64) if fp8 else (32, 64, 128), (4, 8), (2, 3), (None, 1, 2, 4)):
+            for bs, nw, st, sp in itertools.product(
+                (32, 64) if fp8 else (32, 64, 128), (4, 8), (2, 3), (None, 1, 2, 4)
+            ):
                 try:
-                    fn = lambda: decode_attention_triton(q, kk, vv, lengths, block_s=bs, num_warps=nw, num_stages=st, num_splits=sp, **kw)
+                    fn = lambda: decode_attention_triton(
+                        q, kk, vv, lengths, block_s=bs, num_warps=nw, num_stages=st, num_splits=sp, **kw
+                    )
                     err = float((fn().float() - ref).abs().max())
                     us = graph_time_us(fn, DEV, calls=5, replays=5)
                 except Exception as e:
-                    print("fail", bs, nw, st, sp, repr(e)[:150]); continue
-                row = {**base, "kind": "fp8" if fp8 else "bf16", "block_s": bs, "warps": nw, "stages": st, "splits": sp, "us": us,
-                       "tb_s": nbytes / us / 1e6, "err": err}
+                    print("fail", bs, nw, st, sp, repr(e)[:150])
+                    continue
+                row = {
+                    **base,
+                    "kind": "fp8" if fp8 else "bf16",
+                    "block_s": bs,
+                    "warps": nw,
+                    "stages": st,
+                    "splits": sp,
+                    "us": us,
+                    "tb_s": nbytes / us / 1e6,
+                    "err": err,
+                }
                 res.append(row)
-                if sp is None and bs == 64 and nw == 4 and st == 2: print("default", row, flush=True)
-                if best is None or us < best["us"]: best = row
+                if sp is None and bs == 64 and nw == 4 and st == 2:
+                    print("default", row, flush=True)
+                if best is None or us < best["us"]:
+                    best = row
             print("best", best, flush=True)
     print("time", time.time() - t0)
     json.dump(res, open(f"{OUT}/attn.json", "w"), indent=1)
