@@ -10,7 +10,8 @@ trained values. The four GEMMs of one layer follow from it (y = x W^T, W is N x 
     down     K = 12288  N = 4096
 
 Every size and iteration count of every section lives in one frozen :class:`BenchConfig`;
-:func:`h200_config` is the full run (252 s on an H200 on 2026-11-30, before section (c) rotated weight copies and (d) added the fused-ops rows),
+:func:`h200_config` is the full run (252 s on an H200 on 2026-11-30, before section (c) rotated
+weight copies and (d) added the fused-ops rows),
 :func:`smoke_config` the CPU smoke run (same code paths, tiny shapes, 1-2 iterations).
 """
 

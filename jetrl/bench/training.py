@@ -63,6 +63,21 @@ def _trainer(model: nn.Module, recipe: str, records: list[dict], *, generations:
                        accuracy_func=None)
 
 
+def _with_trainer(rows: list[dict[str, Any]], label: str, measure: Any, model: nn.Module, recipe: str,
+                  records: list[dict], **trainer_kwargs: Any) -> None:
+    """Build a trainer for ``recipe`` and run ``measure(trainer)``; an exception becomes an error row
+    named ``label`` (the other recipes still run). The trainer and its device memory are freed after."""
+    trainer = None
+    try:
+        trainer = _trainer(model, recipe, records, **trainer_kwargs)
+        measure(trainer)
+    except Exception as exc:  # noqa: BLE001 -- recorded in the row; the other recipes still run
+        rows.append(error_row(label, exc))
+    finally:
+        trainer = None
+        free_device_memory()
+
+
 def _model_note(cfg: BenchConfig, model: nn.Module) -> str:
     return f"{cfg.train_layers} layers, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params"
 
@@ -90,20 +105,16 @@ def training_phase(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any
     records = random_records(cfg.train_batch, cfg.train_prompt, cfg.vocab)
     phase, old, update, rows, problems = {}, {}, {}, [], []
     for recipe in RECIPES:
-        try:
-            trainer = _trainer(model, recipe, records, generations=2, batch=cfg.train_batch,
-                               prompt_len=cfg.train_prompt, completion_len=cfg.train_completion, cfg=cfg)
+        def measure(trainer: GRPOTrainer, recipe: str = recipe) -> None:
             samples = [_time_phase(trainer, batch, device) for _ in range(1 + cfg.train_iters)][1:]  # [0]: warm-up
             old[recipe] = statistics.median(s[0] for s in samples) * 1e3
             update[recipe] = statistics.median(s[1] for s in samples) * 1e3
             phase[recipe] = statistics.median(s[0] + s[1] for s in samples) * 1e3
             if trainer.nonfinite_steps or trainer.optimizer_steps != 1 + cfg.train_iters:
                 problems.append(f"{recipe}: {trainer.optimizer_steps} updates, {trainer.nonfinite_steps} non-finite")
-        except Exception as exc:  # noqa: BLE001 -- recorded in the row; the other recipe still runs
-            rows.append(error_row(f"training phase {recipe}", exc))
-        finally:
-            trainer = None
-            free_device_memory()
+
+        _with_trainer(rows, f"training phase {recipe}", measure, model, recipe, records, generations=2,
+                      batch=cfg.train_batch, prompt_len=cfg.train_prompt, completion_len=cfg.train_completion, cfg=cfg)
     tokens = cfg.train_batch * (cfg.train_prompt + cfg.train_completion)
     main = _comparison(f"training phase {cfg.train_batch}x{cfg.train_prompt + cfg.train_completion} tok", "ms",
                        phase, TRAIN_TARGET, cfg.smoke, tokens=tokens, old_logprobs_ms=old, update_ms=update,
@@ -130,23 +141,18 @@ def rl_step(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any]]:
     num = cfg.rl_prompts * cfg.rl_generations
     step, phases, rows, problems = {}, {}, [], []
     for recipe, old_logprobs in RL_STEP_CONFIGS:
-        key = (recipe, old_logprobs)
-        try:
-            trainer = _trainer(model, recipe, records, generations=cfg.rl_generations, batch=num,
-                               prompt_len=cfg.rl_prompt, completion_len=cfg.rl_completion, cfg=cfg,
-                               old_logprobs=old_logprobs)
+        def measure(trainer: GRPOTrainer, key: tuple[str, str] = (recipe, old_logprobs)) -> None:
             samples = [wall_s(trainer.train_step, device) for _ in range(1 + cfg.rl_steps)][1:]
             step[key] = statistics.median(s for s, _ in samples)
             last = samples[-1][1]
             phases[key] = {k: last.get(k, 0.0) for k in ("time/rollout", "time/old_logprobs", "time/update")}
             lengths = [m["completions/mean_length"] for _, m in samples]
             if any(n != cfg.rl_completion for n in lengths) or trainer.nonfinite_steps:
-                problems.append(f"{recipe}: mean lengths {lengths}, {trainer.nonfinite_steps} non-finite steps")
-        except Exception as exc:  # noqa: BLE001 -- recorded in the row; the other configs still run
-            rows.append(error_row(f"RL step {recipe} old_logprobs={old_logprobs}", exc))
-        finally:
-            trainer = None
-            free_device_memory()
+                problems.append(f"{key[0]}: mean lengths {lengths}, {trainer.nonfinite_steps} non-finite steps")
+
+        _with_trainer(rows, f"RL step {recipe} old_logprobs={old_logprobs}", measure, model, recipe, records,
+                      generations=cfg.rl_generations, batch=num, prompt_len=cfg.rl_prompt,
+                      completion_len=cfg.rl_completion, cfg=cfg, old_logprobs=old_logprobs)
     base, comparisons = ("bf16", "recompute"), []
     shape = f"{num}x({cfg.rl_prompt}+{cfg.rl_completion})"
     for key, label, target in ((("jet", "recompute"), "jet (recompute old logprobs, like bf16)", RL_STEP_TARGET),

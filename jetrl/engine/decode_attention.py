@@ -55,12 +55,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
+from jetrl.fp8.kv_quant import dequantize_kv
 from jetrl.fp8.quant import E4M3
+from jetrl.overrides import ScopedOverride
 
 MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DECODE_ATTENTION_BACKENDS = ("reference", "triton")
@@ -83,9 +85,8 @@ def decode_attention_reference(
     """
     B, H, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    if k.dtype == E4M3:  # jetrl.fp8.kv_quant.dequantize_kv, operation for operation
-        k = (k.float() * k_scales.unsqueeze(-1)).to(q.dtype)
-        v = (v.float() * v_scales.unsqueeze(-1)).to(q.dtype)
+    if k.dtype == E4M3:  # the cache's one dequantization: what the trainer's attention sees
+        k, v = dequantize_kv(k, k_scales, q.dtype), dequantize_kv(v, v_scales, q.dtype)
     compute = torch.float64 if q.dtype == torch.float32 else torch.float32
     scale = D**-0.5 if sm_scale is None else sm_scale
     last = lengths.clamp(0, S - 1)
@@ -123,7 +124,7 @@ def decode_attention(
 
 # ---------------------------------------------------------------------------------------
 # Backend: one per device type, resolved once; the override is for tests and benches.
-_override: str | None = None
+_override = ScopedOverride("decode attention backend", DECODE_ATTENTION_BACKENDS)
 
 
 @functools.cache
@@ -133,33 +134,25 @@ def _default_backend(device_type: str) -> str:
         raise ValueError(f"JETRL_DECODE_ATTENTION={env!r} is not a backend; use one of {DECODE_ATTENTION_BACKENDS}")
     if env is not None:
         return env
-    from jetrl.engine.kernels import has_triton
+    from jetrl.fp8.kernels import has_triton
 
     return "triton" if device_type == "cuda" and has_triton() else "reference"
 
 
 def decode_attention_backend(device: torch.device | str) -> str:
     """The implementation :func:`decode_attention` runs on ``device``: "reference" or "triton"."""
-    return _override or _default_backend(torch.device(device).type)
+    return _override.value or _default_backend(torch.device(device).type)
 
 
-@contextlib.contextmanager
-def use_decode_attention_backend(name: str) -> Iterator[None]:
+def use_decode_attention_backend(name: str) -> contextlib.AbstractContextManager[None]:
     """Run :func:`decode_attention` with backend ``name`` inside the block, on every device (tests)."""
-    global _override
-    if name not in DECODE_ATTENTION_BACKENDS:
-        raise ValueError(f"{name!r} is not a decode attention backend; use one of {DECODE_ATTENTION_BACKENDS}")
-    previous, _override = _override, name
-    try:
-        yield
-    finally:
-        _override = previous
+    return _override(name)
 
 
 def _implementation(backend: str, device: torch.device) -> Callable[..., Tensor]:
     if backend == "reference":
         return decode_attention_reference
-    from jetrl.engine.kernels import has_triton
+    from jetrl.fp8.kernels import has_triton
 
     if not has_triton():
         raise RuntimeError("decode attention backend 'triton' needs Triton: pip install triton, or use 'reference'")

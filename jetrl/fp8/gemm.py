@@ -40,16 +40,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from jetrl.fp8.quant import BLOCK, Float8Blocks
+from jetrl.overrides import ScopedOverride
 
 BACKENDS = ("emulated", "scaled_mm", "triton")
 SMALL_M_MAX = 64  # rows up to which the Triton small-M kernel beats cuBLAS block FP8 (bench section c)
-_override: str | None = None
+_override = ScopedOverride("FP8 GEMM backend", BACKENDS)
 _resolved: dict[str, str] = {}
 
 
@@ -106,8 +106,8 @@ def resolve_backend(device: torch.device | str) -> str:
     ``"auto"`` (the default on SM90 with Triton) means :func:`choose_backend` picks per shape.
     A backend named in ``JETRL_GEMM_BACKEND`` that the device cannot run raises a ValueError.
     """
-    if _override is not None:
-        return _override
+    if _override.value is not None:
+        return _override.value
     device = torch.device(device)
     key = f"{device.type}:{device.index}"
     if key not in _resolved:
@@ -140,17 +140,9 @@ def has_block_scaled_mm(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-@contextlib.contextmanager
-def override_backend(name: str) -> Iterator[None]:
+def override_backend(name: str) -> contextlib.AbstractContextManager[None]:
     """Force a backend inside the block (tests, benchmarks)."""
-    global _override
-    if name not in BACKENDS:
-        raise ValueError(f"unknown FP8 GEMM backend {name!r}; use one of {BACKENDS}")
-    previous, _override = _override, name
-    try:
-        yield
-    finally:
-        _override = previous
+    return _override(name)
 
 
 def _check_operands(a: Float8Blocks, b: Float8Blocks) -> None:

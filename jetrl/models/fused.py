@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
 
 import torch
 from torch import Tensor
+
+from jetrl.overrides import ScopedOverride
 
 _ENV = "JETRL_FUSED_OPS"
 
@@ -48,13 +49,13 @@ def apply_rope_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
-_override: list[bool] = []  # use_fused_ops blocks, innermost last
+_override = ScopedOverride("fused-ops setting", (True, False))
 
 
 def fused_ops_requested() -> bool:
     """Whether the fused path is asked for: the innermost :func:`use_fused_ops`, else ``JETRL_FUSED_OPS``."""
-    if _override:
-        return _override[-1]
+    if _override.value is not None:
+        return _override.value
     flag = os.environ.get(_ENV, "0")
     if flag not in ("0", "1"):
         raise ValueError(f"{_ENV}={flag!r}: use 1 (fused RMSNorm/RoPE kernels on CUDA) or 0 (PyTorch ops)")
@@ -65,23 +66,18 @@ def fused_ops_enabled(x: Tensor) -> bool:
     """True if ``x``'s op runs the fused kernel: requested, ``x`` on CUDA, and Triton installed."""
     if not (fused_ops_requested() and x.is_cuda):
         return False
-    from jetrl.models.kernels import has_triton
+    from jetrl.fp8.kernels import has_triton
 
     return has_triton()
 
 
-@contextlib.contextmanager
-def use_fused_ops(enabled: bool) -> Iterator[None]:
+def use_fused_ops(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """Turn the fused path on or off inside the block (in this process only; tests, the bench).
 
     The engine keys its CUDA graphs on this setting, so toggling it between generate calls
     recaptures rather than replaying graphs of the other path.
     """
-    _override.append(bool(enabled))
-    try:
-        yield
-    finally:
-        _override.pop()
+    return _override(bool(enabled))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

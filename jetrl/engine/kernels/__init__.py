@@ -2,9 +2,6 @@
 that is its spec (``decode_attention_triton`` <- ``jetrl.engine.decode_attention.decode_attention_reference``).
 
 Triton is imported lazily, only by the module of a kernel that is about to run: CPU wheels of
-torch ship without it, and jetrl must import and run there (the references take over).
+torch ship without it, and jetrl must import and run there (the references take over;
+``jetrl.fp8.kernels.has_triton`` tells).
 """
-
-from jetrl.fp8.kernels import has_triton
-
-__all__ = ["has_triton"]
