@@ -1,5 +1,5 @@
 """Profile of one engine decode step (CUDA-graph replay, 4 layers of an 8B-shaped Qwen3 + lm_head,
-B = 256, mean context 640) under `bf16` and `jet_kv`: kernels per step and GPU time per kernel.
+B = 256, mean context 640) under `bf16`, `jet` and `jet_kv`: kernels per step and GPU time per kernel.
 The evidence behind docs/benchmarks.md section (d). GPU only.
 
     PYTHONPATH=. python3 bench/profile_decode_step.py
@@ -21,7 +21,7 @@ def main() -> None:
     DEV = torch.device("cuda")
     cfg = h200_config(layers=4)
     model = random_model(cfg.model_config(4), DEV, torch.bfloat16)
-    for recipe in ("bf16", "jet_kv"):
+    for recipe in ("bf16", "jet", "jet_kv"):
         set_recipe(model, recipe)
         lengths = spread_lengths(256, 640)
         engine = Engine(model, max_slots=256, max_len=max(lengths) + 2)

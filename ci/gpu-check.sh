@@ -4,6 +4,8 @@
 #
 #   bash ci/gpu-check.sh OUT_DIR [WHEEL_DIR]
 #
+# BENCH_SECTIONS=c,d (optional) runs only those bench sections (default: all), so that the check can
+# be split over calls that each fit a time limit.
 # WHEEL_DIR (optional) holds pure-Python wheels to make importable without pip -- pytest and its
 # dependencies when the machine lacks them (`pip download pytest pluggy iniconfig packaging --no-deps -d DIR`
 # on a machine with an index). Writes OUT_DIR/gpu-tests.log, OUT_DIR/bench.log and OUT_DIR/bench/bench.json;
@@ -22,7 +24,7 @@ python3 -m pytest -q -p no:cacheprovider -rs -s tests/test_engine_graphs.py test
   tests/test_decode_attention.py tests/test_kernels.py tests/test_linear.py tests/test_quant.py > "$out/gpu-tests.log" 2>&1
 tests_rc=$?
 tail -n 30 "$out/gpu-tests.log"
-python3 -m jetrl bench --out "$out/bench" > "$out/bench.log" 2>&1
+python3 -m jetrl bench --sections "${BENCH_SECTIONS:-a,b,c,d,e,f,g}" --out "$out/bench" > "$out/bench.log" 2>&1
 bench_rc=$?
 grep -A200 "^   measure" "$out/bench.log" | grep -v '^{"jetrl_bench"' | head -120
 echo "gpu tests rc=$tests_rc, bench rc=$bench_rc"

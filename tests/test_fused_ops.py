@@ -1,9 +1,10 @@
-"""Fused RMSNorm / RoPE kernels against their references (jetrl/models/fused.py).
+"""Fused RMSNorm / RoPE / SwiGLU kernels against their references (jetrl/models/fused.py).
 
 On CPU the model always runs the references; the Triton kernels are checked here under
 ``TRITON_INTERPRET=1``: RoPE bit for bit (it has no reduction), RMSNorm within one ulp of the
-model dtype (its row sum may be ordered differently) and batch-invariant; the autograd wrappers
-give the references' gradients.
+model dtype (its row sum may be ordered differently) and batch-invariant, SwiGLU bit for bit in
+bf16 (in fp32 within 4e-7 relative: the CPU reference's vectorized exp is not numpy's); the
+autograd wrappers give the references' gradients.
 """
 
 import os
@@ -13,12 +14,14 @@ import sys
 import pytest
 import torch
 
-from jetrl.models.fused import apply_rope_reference, fused_ops_enabled, rms_norm_reference, use_fused_ops
+from jetrl.models.fused import (apply_rope_reference, fused_ops_enabled, fused_ops_requested, rms_norm_reference,
+                                use_fused_ops)
 
 SCRIPT = r"""
 import torch
-from jetrl.models.fused import _FusedRMSNorm, _FusedRoPE, apply_rope_reference, rms_norm_reference
-from jetrl.models.kernels.fused_triton import apply_rope_triton, rms_norm_triton
+from jetrl.models.fused import (_FusedRMSNorm, _FusedRoPE, _FusedSiluMul, apply_rope_reference, rms_norm_reference,
+                                silu_mul_reference)
+from jetrl.models.kernels.fused_triton import apply_rope_triton, rms_norm_triton, silu_mul_triton
 
 torch.manual_seed(0)
 for dtype, wdtype in [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.bfloat16, torch.float32)]:
@@ -40,7 +43,17 @@ for dtype in (torch.bfloat16, torch.float32):
         ref, got = apply_rope_reference(q, cos, sin), apply_rope_triton(q, cos, sin)
         assert got.stride() == q.stride() or got.is_contiguous()
         assert torch.equal(got, ref), (dtype, B, H, T, D)
+for dtype, tol in ((torch.bfloat16, 0.0), (torch.float32, 4e-7)):
+    g, u = (torch.randn(3, 5, 1000) * 4).to(dtype), torch.randn(3, 5, 1000).to(dtype)
+    ref, got = silu_mul_reference(g, u), silu_mul_triton(g, u)
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    assert float(((got.float() - ref.float()).abs() / ref.float().abs().clamp_min(1e-3)).max()) <= tol, dtype
 # gradients: the autograd wrappers give the references' gradients
+g, u = torch.randn(4, 300, requires_grad=True), torch.randn(4, 300, requires_grad=True)
+gs = torch.randn(4, 300)
+ga, ua = torch.autograd.grad(_FusedSiluMul.apply(g, u), (g, u), gs)
+gr, ur = torch.autograd.grad(silu_mul_reference(g, u), (g, u), gs)
+assert torch.allclose(ga, gr, atol=1e-6) and torch.allclose(ua, ur, atol=1e-6)
 x = torch.randn(4, 256, requires_grad=True)
 w = (1 + 0.1 * torch.randn(256)).requires_grad_()
 gy = torch.randn(4, 256)
@@ -64,10 +77,16 @@ def test_fused_kernels_match_references_in_interpreter():
     assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr[-3000:]
 
 
-def test_fused_path_is_cuda_only_and_opt_in(monkeypatch):
+def test_fused_path_is_cuda_only_and_on_by_default(monkeypatch):
     x = torch.randn(2, 8)
     with use_fused_ops(True):
         assert not fused_ops_enabled(x)  # CPU always runs the reference
+    monkeypatch.delenv("JETRL_FUSED_OPS", raising=False)
+    assert fused_ops_requested()
+    monkeypatch.setenv("JETRL_FUSED_OPS", "0")
+    assert not fused_ops_requested()
+    with use_fused_ops(True):
+        assert fused_ops_requested()
     monkeypatch.setenv("JETRL_FUSED_OPS", "yes")
     with pytest.raises(ValueError, match="JETRL_FUSED_OPS='yes'"):
         fused_ops_enabled(x)
@@ -96,7 +115,11 @@ def test_fused_kernels_on_cuda_and_in_the_model():
     with use_fused_ops(True):
         from jetrl.models.fused import apply_rope, rms_norm
 
+        from jetrl.models.fused import silu_mul, silu_mul_reference
+
         assert torch.equal(apply_rope(q, cos, sin), ref_rope)
+        g, u = x * 3, x.flip(0)
+        assert torch.equal(silu_mul(g, u), silu_mul_reference(g, u))
         assert float(((rms_norm(x, w, 1e-6).float() - ref_norm.float()).abs() / ref_norm.float().abs().clamp_min(1e-3)).max()) <= 2**-7
     cfg = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, qk_norm=True, architecture="Qwen3ForCausalLM")

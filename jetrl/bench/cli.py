@@ -28,6 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decoder layers of the 8B-shaped model in f, g (default 8)")
     p.add_argument("--no-long-context", dest="long_context", action="store_false",
                    help="skip the long-context rollout config of section e")
+    p.add_argument("--in-process", action="store_true",
+                   help="run every section in this process (default on CUDA: one child process per section, so "
+                        "a section that corrupts CUDA state -- a sticky kernel fault, a broken graph capture -- "
+                        "cannot take the sections after it down)")
 
 
 def parse_sections(text: str) -> str:
@@ -38,8 +42,8 @@ def parse_sections(text: str) -> str:
     return "".join(k for k in SECTION_KEYS if k in keys)
 
 
-def command_line(args: argparse.Namespace, sections: str) -> str:
-    parts = ["jetrl", "bench", "--sections", ",".join(sections), "--out", args.out]
+def command_line(args: argparse.Namespace, sections: str, out: str | None = None) -> str:
+    parts = ["jetrl", "bench", "--sections", ",".join(sections), "--out", out or args.out]
     parts += ["--smoke"] if args.smoke else []
     for flag, value in (("--device", args.device), ("--layers", args.layers), ("--train-layers", args.train_layers)):
         if value is not None:
@@ -64,4 +68,8 @@ def run(args: argparse.Namespace) -> int:
     preset = smoke_config if args.smoke else h200_config
     sizes = {k: v for k, v in (("layers", args.layers), ("train_layers", args.train_layers)) if v is not None}
     cfg = preset(long_context=args.long_context, **sizes)
-    return run_bench(cfg, sections, args.out, device, command_line(args, sections))
+    child = None
+    if device.type == "cuda" and len(sections) > 1 and not args.in_process:
+        def child(key: str, out: str) -> list[str]:  # the argv of a child process running section ``key`` alone
+            return [*shlex.split(command_line(args, key, out))[1:], "--in-process"]
+    return run_bench(cfg, sections, args.out, device, command_line(args, sections), child_argv=child)

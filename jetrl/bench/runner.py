@@ -1,8 +1,15 @@
-"""Run the sections of ``jetrl bench`` in one process, then print the table, the JSON line, and save.
+"""Run the sections of ``jetrl bench``, then print the table, the JSON line, and save.
 
 Each section is a function ``(BenchConfig, device) -> list[row]`` (report.py says what a row
 holds). A section that raises is recorded with its error and traceback, device memory is
-released, and the next section runs; rows record their own smaller failures. Progress lines
+released, and the next section runs; rows record their own smaller failures.
+
+Isolation: on CUDA each section runs in its own child process (``python -m jetrl bench
+--sections K --in-process``), and this process only merges their ``bench.json``. A Python
+exception cannot hurt the next section, but CUDA state can: a sticky kernel fault poisons the
+context, and a failed graph capture can leave the default generator in capture mode (seen on the
+H200: every later ``torch.randn`` raised "Offset increment outside graph capture"). A child that
+dies without its JSON is recorded as a section error with its exit code. Progress lines
 (``[bench] ...``) go to stdout as sections finish, with their wall time and peak device memory;
 the table comes last, then one JSON line (the summary: failed checks, errors, every targeted
 ratio, the JSON path). ``<out>/bench.json`` holds everything: the environment (device, torch,
@@ -66,12 +73,41 @@ def run_section(key: str, cfg: BenchConfig, device: torch.device) -> dict[str, A
     return {"title": title, "wall_s": wall, "peak_mem_gib": peak, "rows": rows, "error": error, "traceback": trace}
 
 
-def run_bench(cfg: BenchConfig, sections: str, out_dir: str, device: torch.device, command: str) -> int:
-    """Run ``sections`` (letters a-g), print the table and the JSON line, write ``out_dir/bench.json``."""
+def run_child(key: str, argv: list[str], out_dir: str) -> dict[str, Any]:
+    """Section ``key`` in a child process running ``jetrl <argv>``; its result as :func:`run_section` returns it."""
+    title = SECTIONS[key][0]
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "jetrl", *argv], check=False, stdout=subprocess.PIPE, text=True)
+    for line in done.stdout.splitlines():  # the child's progress line; its own table and JSON line are dropped
+        if line.startswith("[bench] ("):
+            print(line, flush=True)
+    try:
+        return json.loads((Path(out_dir) / "bench.json").read_text())["sections"][key]
+    except (OSError, ValueError, KeyError) as exc:
+        error = f"child process exited {done.returncode} without its result ({type(exc).__name__}: {exc})"
+        print(f"[bench] ({key}) {title}: SECTION ERROR {error}", flush=True)
+        return {"title": title, "wall_s": time.perf_counter() - start, "peak_mem_gib": None, "rows": [],
+                "error": error, "traceback": done.stdout[-4000:]}
+
+
+def run_bench(cfg: BenchConfig, sections: str, out_dir: str, device: torch.device, command: str,
+              child_argv: Callable[[str, str], list[str]] | None = None) -> int:
+    """Run ``sections`` (letters a-g), print the table and the JSON line, write ``out_dir/bench.json``.
+
+    ``child_argv(key, out)``, if given, is the command line (after ``jetrl``) that runs section
+    ``key`` alone writing ``out/bench.json``: each section then runs in its own process.
+    """
     meta = environment(device, cfg, command)
     print(f"[bench] {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | {meta['date']}", flush=True)
     start = time.perf_counter()
-    results = {key: run_section(key, cfg, device) for key in sections}
+    if child_argv is None:
+        results = {key: run_section(key, cfg, device) for key in sections}
+    else:
+        meta["isolation"] = "one child process per section"
+        results = {}
+        for key in sections:
+            child_out = str(Path(out_dir) / "sections" / key)
+            results[key] = run_child(key, child_argv(key, child_out), child_out)
     meta["wall_s"] = time.perf_counter() - start
     summary = summarize(results)
     path = Path(out_dir) / "bench.json"

@@ -69,11 +69,12 @@ def graph_time_us(fn: Callable[[], object], device: torch.device, *, calls: int,
     """Per-call time in µs of ``fn`` under CUDA-graph replay (module docstring).
 
     ``fn`` must be capturable: no host sync, every lazy initialization (Triton compilation,
-    weight caches, cuBLAS workspaces) done by the ``warmup`` calls, which run on a side stream
+    weight caches, cuBLAS workspaces) done by the ``max(warmup, calls)`` warm-up calls, which run on a side stream
     as the CUDA-graph docs require. Outputs of the captured calls live in the graph's private
     memory pool and are freed with the graph. On CPU: ``calls`` eager calls, ``perf_counter``.
     """
     calls = max(calls, 1)
+    warmup = max(warmup, calls)  # a rotating ``fn`` (bench c) meets every weight copy before capture
     if device.type != "cuda":
         return time_ms(lambda: [fn() for _ in range(calls)], device, iters=replays, warmup=min(warmup, 1)) * 1e3 / calls
     side = torch.cuda.Stream(device)

@@ -42,12 +42,15 @@ returns the whole fixed-length row, ``(B, Hkv, max_len, D)``, so its ``offset`` 
 Fused decode (GPU): with ``use_decode_kernel`` set (the engine sets it on CUDA when Triton is
 available) a decode view also exposes ``attend(layer, q, k, v)``: it stores k/v as ``update``
 does and returns ``jetrl.engine.decode_attention.decode_attention`` over the cache rows, which
-reads FP8 codes and scales directly instead of materializing a dequantized cache. No host sync,
-so a decode step stays CUDA-graph capturable. The CPU path never uses it: it dequantizes and
+reads FP8 codes and scales directly instead of materializing a dequantized cache, and the step's
+K/V are written (and quantized) by one fused kernel (``kernels/kv_store_triton.py``, spec
+:meth:`DecodeView.store_reference`). No host sync, so a decode step stays CUDA-graph capturable. The CPU path never uses it: it dequantizes and
 runs the model's own attention, the reference the kernel is tested against.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
@@ -228,6 +231,20 @@ class DecodeView:
             raise ValueError(
                 f"a decode step takes one token for each of {self.num_rows} rows, got k of shape {tuple(k.shape)}"
             )
+        kernel_device = k.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"  # CPU tensors: the interpreter only
+        if self.cache.use_decode_kernel and kernel_device and D & (D - 1) == 0 and k.stride(-1) == v.stride(-1) == 1:
+            from jetrl.engine.kernels.kv_store_triton import store_kv_triton  # lazy: Triton, GPU only
+
+            cache, pow2 = self.cache, self.cache.kv_spec is not None and self.cache.kv_spec.pow2_scale
+            buffers = cache.storage(layer_idx)  # (k, v) or (k codes uint8, v codes uint8, k_scale, v_scale)
+            scales = (buffers[2][:B], buffers[3][:B]) if cache.is_fp8 else (None, None)
+            store_kv_triton(k, v, cache.lengths[:B], buffers[0][:B], buffers[1][:B], *scales, pow2)
+            return
+        self.store_reference(layer_idx, k, v)
+
+    def store_reference(self, layer_idx: int, k: Tensor, v: Tensor) -> None:
+        """The store in PyTorch ops (the spec of the fused kernel): ``encode``, then one ``scatter_`` per buffer."""
+        B, H, _, D = k.shape
         if self._index is None:  # same for every layer: (B, Hkv, 1, D) copies of lengths[s]
             self._index = self.cache.lengths[:B].view(B, 1, 1, 1).expand(B, H, 1, D)
         stored, _ = self.cache.encode(layer_idx, k, v, want_read=False)

@@ -14,6 +14,11 @@ One ``autograd.Function`` holds the whole layer (y = x W^T; M tokens, K in, N ou
 * Gradients between ops stay in the input's dtype (BF16 in a BF16 model), dW is accumulated
   in fp32 by the GEMM and returned in the master weight's dtype (BF16, or fp32 if chosen).
 * The bias is added outside the Function in high precision, by autograd.
+* Without autograd (the rollout, old-logprob passes) there is no Function, and sibling layers that
+  read the same input tensor -- q/k/v of one attention, gate/up of one MLP -- quantize it once:
+  the last quantization is kept with a weak reference to its input and the input's version
+  counter, so a hit is the same tensor object, unmodified, with the same spec (the codes are
+  those a fresh call would produce: the quantizer is deterministic).
 
 Which precision a call uses comes from the module's :class:`~jetrl.fp8.recipe.Recipe` and
 the current phase (``precision_phase("rollout")`` in the engine): under ``jet`` both phases
@@ -25,6 +30,9 @@ Why not a tensor subclass: one Function is enough, and keeps the data flow reada
 """
 
 from __future__ import annotations
+
+import threading
+import weakref
 
 import torch
 import torch.nn as nn
@@ -84,6 +92,31 @@ def _quantize_both(t: torch.Tensor, rows: QuantSpec, tokens: QuantSpec, name: st
             quantize(t.t(), tokens.block, pow2_scale=tokens.pow2_scale, name=f"{name}_t"))
 
 
+class _LastInputQuant(threading.local):
+    """The last input quantized without autograd, for sibling layers that read the same tensor.
+
+    A hit needs the same tensor *object* (a weak reference: a freed tensor never matches, even if
+    a new one reuses its memory), the same version counter (no in-place change since), the same
+    spec, and the same CUDA-graph capture state (a graph never reads a quantization made outside it).
+    """
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.ref: weakref.ref | None = None
+        self.value: Float8Blocks | None = None
+
+    def get(self, x: torch.Tensor, spec: QuantSpec, make) -> Float8Blocks:
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        key = (x._version, spec, capturing)
+        if self.ref is not None and self.ref() is x and self.key == key:
+            return self.value
+        self.ref, self.key, self.value = weakref.ref(x), key, make()
+        return self.value
+
+
+_last_input = _LastInputQuant()
+
+
 class Float8Linear(nn.Linear):
     """``nn.Linear`` computed under a precision :class:`Recipe`; shares the original parameters.
 
@@ -120,6 +153,13 @@ class Float8Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         self._check_input(x)
         x2d = x.reshape(-1, self.in_features)
+        if not torch.is_grad_enabled():  # inference: no Function; siblings share the input's quantization
+            x_q = _last_input.get(x, spec.input, lambda: quantize(x2d, spec.input.block,
+                                                                  pow2_scale=spec.input.pow2_scale,
+                                                                  name=f"{self.fqn}.input"))
+            y = fp8_gemm(x_q, self.weight_cache.get(self.weight, spec.weight), out_dtype=x2d.dtype)
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
         save_for_wgrad = torch.is_grad_enabled() and self.weight.requires_grad
         y = _Float8LinearFn.apply(x2d, self.weight, self.weight_cache, spec, self.fqn, save_for_wgrad)
         y = y.view(*x.shape[:-1], self.out_features)

@@ -1,14 +1,14 @@
-"""RMSNorm and RoPE as functions with a PyTorch reference (the spec) and an optional fused kernel.
+"""RMSNorm, RoPE and SwiGLU as functions with a PyTorch reference (the spec) and an optional fused kernel.
 
 Why: the decoder calls these on every layer; on a GPU at decode sizes each eager op is its own
 launch-bound kernel (docs/benchmarks.md, section d). The fused Triton kernels
 (:mod:`jetrl.models.kernels.fused_triton`) do each in one launch. The references below are the
-model's math, unchanged; they run on CPU always, and on CUDA unless the fused path is on.
+model's math, unchanged; they run on CPU always, and on CUDA when the fused path is off.
 
-Backend: fused on CUDA with Triton when ``JETRL_FUSED_OPS=1``, or inside ``use_fused_ops(True)``
-(an in-process override, for tests and the bench). Off by default until measured
-on the GPU by ``jetrl bench`` (section d reports the decode step both ways) -- the kernels are
-tested against the references here under ``TRITON_INTERPRET=1``.
+Backend: fused on CUDA with Triton by default; ``JETRL_FUSED_OPS=0`` turns it off, and
+``use_fused_ops(flag)`` overrides both inside a block (in-process, for tests and the bench).
+``jetrl bench`` section (d) times the decode step both ways; the kernels are tested against the
+references under ``TRITON_INTERPRET=1`` on CPU and on the GPU by tests/test_fused_ops.py.
 
 The trainer and the engine call the same function, so with the fused path on both sides see
 the same kernel (RoPE is bit-identical to the reference anyway; RMSNorm differs from it only in
@@ -23,6 +23,7 @@ import contextlib
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from jetrl.overrides import ScopedOverride
@@ -36,6 +37,11 @@ def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(dtype)
+
+
+def silu_mul_reference(gate: Tensor, up: Tensor) -> Tensor:
+    """SwiGLU's gating: ``silu(gate) * up``, each op rounded to the model dtype."""
+    return F.silu(gate) * up
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -56,9 +62,10 @@ def fused_ops_requested() -> bool:
     """Whether the fused path is asked for: the innermost :func:`use_fused_ops`, else ``JETRL_FUSED_OPS``."""
     if _override.value is not None:
         return _override.value
-    flag = os.environ.get(_ENV, "0")
+    flag = os.environ.get(_ENV, "1")
     if flag not in ("0", "1"):
-        raise ValueError(f"{_ENV}={flag!r}: use 1 (fused RMSNorm/RoPE kernels on CUDA) or 0 (PyTorch ops)")
+        raise ValueError(f"{_ENV}={flag!r}: use 1 (fused RMSNorm/RoPE/SwiGLU kernels on CUDA, the default) or 0 "
+                         "(PyTorch ops)")
     return flag == "1"
 
 
@@ -99,6 +106,29 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     if torch.is_grad_enabled() and x.requires_grad:
         return _FusedRoPE.apply(x, cos, sin)
     return apply_rope_triton(x, cos, sin)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    if not fused_ops_enabled(gate) or gate.shape != up.shape or gate.dtype != up.dtype:
+        return silu_mul_reference(gate, up)
+    from jetrl.models.kernels.fused_triton import silu_mul_triton
+
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _FusedSiluMul.apply(gate, up)
+    return silu_mul_triton(gate, up)
+
+
+class _FusedSiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        from jetrl.models.kernels.fused_triton import silu_mul_triton
+
+        ctx.save_for_backward(gate, up)
+        return silu_mul_triton(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(_reference_grads(silu_mul_reference, ctx.saved_tensors, grad, ctx.needs_input_grad[:2]))
 
 
 class _FusedRMSNorm(torch.autograd.Function):

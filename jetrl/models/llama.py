@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from jetrl.models.config import ModelConfig
-from jetrl.models.fused import apply_rope, rms_norm
+from jetrl.models.fused import apply_rope, rms_norm, silu_mul
 
 
 class KVCache(Protocol):
@@ -188,7 +188,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))  # silu(gate) * up
 
 
 class DecoderLayer(nn.Module):

@@ -17,11 +17,25 @@ INTERPRET = bool(triton.knobs.runtime.interpret)  # as triton.jit itself decides
 
 
 @triton.jit
+def rounded(x, DTYPE: tl.constexpr):
+    """fp32 -> the nearest DTYPE value (RNE), returned as fp32: for a rounded intermediate.
+
+    For bf16 the rounding is done on the bits with integer ops, on the GPU too: a float cast
+    round trip ``x.to(bf16).to(fp32)`` can be contracted or folded by the compiler (on the H200 a
+    fused RoPE written that way differed from eager PyTorch by one bf16 ulp), integer ops cannot.
+    """
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & BF16_KEEP_C).to(tl.float32, bitcast=True)
+        return tl.where(x != x, x, r)
+    else:
+        return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
 def round_to(x, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
     """fp32 -> DTYPE, round to nearest even (pass EMULATE=INTERPRET)."""
     if DTYPE == tl.bfloat16 and EMULATE:
-        bits = x.to(tl.int32, bitcast=True)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & BF16_KEEP_C).to(tl.float32, bitcast=True)
-        return tl.where(x != x, x, rounded).to(DTYPE)
+        return rounded(x, DTYPE).to(DTYPE)  # exact: the value is already a bf16
     else:
         return x.to(DTYPE)  # LLVM fptrunc: RNE

@@ -1,4 +1,4 @@
-"""Triton kernels for the decode step's small ops: RMSNorm and RoPE, one launch each.
+"""Triton kernels for the decode step's small ops: RMSNorm, RoPE and SwiGLU, one launch each.
 
 Why: at decode sizes every elementwise op of the model is a separate, launch-bound kernel. The
 H200 profile of one 8B decode step (docs/benchmarks.md, section d) shows ~180 µs per layer of
@@ -16,9 +16,12 @@ model-dtype tensors is computed in fp32 and rounded once to the model dtype):
               n = round_dtype(x * r);  y = round_out(w * n)
     RoPE      y = round(round(x * cos) + round(rotate_half(x) * sin)),  rotate_half([a, b]) = [-b, a]
               (bit-identical to the reference: no reduction)
+    SwiGLU    s = round(g / (1 + exp(-g)));  y = round(s * u)     (fp32 division rounded to nearest,
+                                              libdevice expf: the arithmetic of PyTorch's CUDA silu)
 
-Under ``TRITON_INTERPRET=1`` the fp32 -> bf16 cast truncates, so the rounding is done on the
-bits there (``round_to``); on the GPU it is the hardware RNE cast.
+Rounded intermediates that are computed on further (``rounded``) are rounded on the fp32 bits with
+integer ops everywhere, so no compiler can contract or fold them; final stores use ``round_to``,
+the hardware RNE cast on the GPU (the interpreter's cast truncates, so there it rounds on the bits).
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-from jetrl.fp8.kernels.rounding import INTERPRET, round_to
+from jetrl.fp8.kernels.rounding import INTERPRET, round_to, rounded
 
 _EMULATE = INTERPRET
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -44,7 +48,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, num_cols, stride_x, stride
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     mean_square = tl.math.div_rn(tl.sum(x * x, axis=1), num_cols.to(tl.float32))
     r = tl.math.rsqrt(mean_square + eps)
-    n = round_to(x * r[:, None], X_DTYPE, EMULATE).to(tl.float32)
+    n = rounded(x * r[:, None], X_DTYPE)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     y = round_to(w[None, :] * n, OUT_DTYPE, EMULATE)
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], y, mask=mask)
@@ -91,8 +95,8 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_rows, H, T,
     s1 = tl.load(s_row + d[None, :] * ssd, mask=mask, other=0.0).to(tl.float32)
     s2 = tl.load(s_row + (d[None, :] + HALF) * ssd, mask=mask, other=0.0).to(tl.float32)
     # rotate_half(x) = [-x2, x1]; each product and the sum rounded once to DTYPE, as eager does
-    y1 = round_to(x1 * c1, DTYPE, EMULATE).to(tl.float32) + round_to(-x2 * s1, DTYPE, EMULATE).to(tl.float32)
-    y2 = round_to(x2 * c2, DTYPE, EMULATE).to(tl.float32) + round_to(x1 * s2, DTYPE, EMULATE).to(tl.float32)
+    y1 = rounded(x1 * c1, DTYPE) + rounded(-x2 * s1, DTYPE)
+    y2 = rounded(x2 * c2, DTYPE) + rounded(x1 * s2, DTYPE)
     o_row = out_ptr + (b * sob + h * soh + t * sot)[:, None]
     tl.store(o_row + d[None, :] * sod, round_to(y1, DTYPE, EMULATE), mask=mask)
     tl.store(o_row + (d[None, :] + HALF) * sod, round_to(y2, DTYPE, EMULATE), mask=mask)
@@ -111,4 +115,29 @@ def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
         x, cos, sin, out, num_rows, H, T, *x.stride(), *cos.stride(), *sin.stride(), *out.stride(),
         HALF=D // 2, BLOCK_R=block_r, DTYPE=_TL_DTYPES[x.dtype], EMULATE=_EMULATE, num_warps=4,
     )
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if EMULATE:
+        e = tl.exp(-g)  # the interpreter: numpy's expf
+    else:
+        e = libdevice.exp(-g)  # accurate expf (tl.exp is the fast ex2.approx form)
+    s = rounded(tl.math.div_rn(g, 1.0 + e), DTYPE)
+    tl.store(out_ptr + offs, round_to(s * u, DTYPE, EMULATE), mask=mask)
+
+
+def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Same signature and result as ``silu_mul_reference``: ``silu(gate) * up``, both (..., I) of one dtype."""
+    assert gate.shape == up.shape and gate.dtype == up.dtype and gate.dtype in _TL_DTYPES, (gate.shape, up.shape)
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    n, block = gate.numel(), 1024
+    _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, DTYPE=_TL_DTYPES[gate.dtype],
+                                               EMULATE=_EMULATE, num_warps=4)
     return out

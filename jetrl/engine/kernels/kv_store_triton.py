@@ -1,0 +1,80 @@
+"""Triton: a decode step's K/V written into the static cache, quantized on the way, in one launch.
+
+Spec: :meth:`jetrl.engine.kv_cache.DecodeView.store_reference` -- for each row b and kv head h,
+``cache[b, h, lengths[b]] = k[b, h]`` (and v), where an FP8 cache first quantizes each head
+vector with :func:`jetrl.fp8.kv_quant.quantize_kv` (E4M3 codes + one fp32 scale per token-head).
+
+Why: in PyTorch the store is two ``scatter_`` (BF16 cache) or two quantize kernels and four
+``scatter_`` (FP8 cache: codes and scales of K and V) per layer, each a launch-bound kernel of a
+few KB at decode sizes. Here one program handles one row: it reads the row's position, then K
+and V of all its kv heads, and writes codes and scales (or the model-dtype values) in place.
+
+Bit-identity with the trainer: the scale and the codes come from the quantizer's own jitted
+helpers (``_amax``, ``_scale_and_reciprocal``, ``_code_bits`` of
+:mod:`jetrl.fp8.kernels.quant_triton`), the same arithmetic the Triton quantizer does for a
+1 x head_dim group, so the cache holds exactly what ``quantize_kv`` gives for the same K/V
+(tested under ``TRITON_INTERPRET=1`` and checked on the GPU by the engine tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from jetrl.fp8.kernels.quant_triton import _amax, _code_bits, _scale_and_reciprocal, explicit_round
+
+
+@triton.jit
+def _store_one(x_ptr, sxb, sxh, cache_ptr, scb, sch, scp, scale_ptr, ssb, ssh, b, pos, heads, d, head_ok,
+               FP8: tl.constexpr, POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr):
+    x = tl.load(x_ptr + b * sxb + heads[:, None] * sxh + d[None, :], mask=head_ok[:, None], other=0.0)
+    dst = cache_ptr + b * scb + heads[:, None] * sch + pos * scp + d[None, :]
+    if FP8:
+        xf = x.to(tl.float32)
+        amax = _amax(xf, 1)  # (BLOCK_H,): one group per token-head
+        scale, reciprocal = _scale_and_reciprocal(amax, amax == float("inf"), POW2)
+        tl.store(dst, _code_bits(xf * reciprocal[:, None], (scale != scale)[:, None], EXPLICIT_ROUND),
+                 mask=head_ok[:, None])
+        tl.store(scale_ptr + b * ssb + heads * ssh + pos, scale, mask=head_ok)
+    else:
+        tl.store(dst, x, mask=head_ok[:, None])
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, lengths_ptr, ck_ptr, cv_ptr, sk_ptr, sv_ptr, num_heads,
+                     skb, skh, svb, svh, scb, sch, scp, ssb, ssh,
+                     D: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr, POW2: tl.constexpr,
+                     EXPLICIT_ROUND: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    pos = tl.load(lengths_ptr + b).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)
+    head_ok = heads < num_heads
+    d = tl.arange(0, D)
+    _store_one(k_ptr, skb, skh, ck_ptr, scb, sch, scp, sk_ptr, ssb, ssh, b, pos, heads, d, head_ok,
+               FP8, POW2, EXPLICIT_ROUND)
+    _store_one(v_ptr, svb, svh, cv_ptr, scb, sch, scp, sv_ptr, ssb, ssh, b, pos, heads, d, head_ok,
+               FP8, POW2, EXPLICIT_ROUND)
+
+
+def store_kv_triton(k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, cache_k: torch.Tensor,
+                    cache_v: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                    pow2_scale: bool) -> None:
+    """Write k, v (B, Hkv, 1, D) at positions ``lengths[:B]`` of ``cache_k``/``cache_v`` (B, Hkv, S, D) rows.
+
+    FP8 when ``k_scale``/``v_scale`` (B, Hkv, S) fp32 are given: the caches are then uint8 views of
+    the E4M3 codes. In place; no host sync (CUDA-graph capturable).
+    """
+    B, H, T, D = k.shape
+    assert T == 1 and v.shape == k.shape and k.stride(-1) == v.stride(-1) == 1, (k.shape, v.shape)
+    assert cache_k.stride() == cache_v.stride() and cache_k.stride(-1) == 1, (cache_k.stride(), cache_v.stride())
+    fp8 = k_scale is not None
+    if fp8:
+        assert k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1, (k_scale.stride(), v_scale.stride())
+    ssb, ssh = (k_scale.stride(0), k_scale.stride(1)) if fp8 else (0, 0)
+    _store_kv_kernel[(B,)](
+        k, v, lengths, cache_k, cache_v, k_scale if fp8 else cache_k, v_scale if fp8 else cache_v, H,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
+        ssb, ssh, D=D, BLOCK_H=triton.next_power_of_2(H), FP8=fp8, POW2=pow2_scale,
+        EXPLICIT_ROUND=explicit_round(), num_warps=4,
+    )

@@ -1,0 +1,58 @@
+"""The fused decode-step K/V store (jetrl/engine/kernels/kv_store_triton.py) against its spec,
+``DecodeView.store_reference``, under ``TRITON_INTERPRET=1`` on CPU: for a BF16 and an FP8 cache
+(fp32 and power-of-two scales), rows at different positions, a row holding NaN and an all-zero
+row, every buffer of the cache -- written positions and untouched ones -- is bit-identical.
+The FP8 codes and scales it writes are therefore the trainer's ``quantize_kv`` of the same K/V."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = r"""
+import torch
+from jetrl.engine.kv_cache import StaticKVCache
+from jetrl.fp8.recipe import KVCacheSpec
+
+torch.manual_seed(0)
+layers, slots, Hkv, S, D, B = 2, 6, 2, 9, 64, 4
+for spec in (None, KVCacheSpec(False), KVCacheSpec(True)):
+    caches = []
+    for fused in (True, False):
+        cache = StaticKVCache(layers, slots, Hkv, S, D, torch.bfloat16, "cpu", spec)
+        cache.use_decode_kernel = fused
+        caches.append(cache)
+    lengths = torch.tensor([0, 5, 8, 3, 7, 2])
+    k = (torch.randn(B, Hkv, 1, D) * 3).bfloat16()
+    v = torch.randn(B, 1, Hkv, D).bfloat16().transpose(1, 2)  # the model's strided view
+    k[1, 0, 0, 5] = float("nan")
+    v[2] = 0.0
+    for cache in caches:
+        cache.lengths.copy_(lengths)
+        view = cache.decode(B)
+        view._store(1, k, v) if cache.use_decode_kernel else view.store_reference(1, k, v)
+    fused, ref = caches
+    for name in ("k", "v", "k_scale", "v_scale"):
+        a, b = getattr(fused, name), getattr(ref, name)
+        if a is None:
+            continue
+        if a.dtype == torch.float8_e4m3fn:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)  # codes: bit for bit, NaN code included
+        else:
+            a, b = a.nan_to_num(7.0), b.nan_to_num(7.0)  # NaN payloads may differ (the interpreter)
+        assert torch.equal(a, b), (spec, name)
+    assert spec is None or torch.isnan(fused.k_scale[1, 1, 0, 5]), "a NaN group gets a NaN scale"
+print("OK")
+"""
+
+
+def test_fused_store_matches_reference_in_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], check=False, env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
