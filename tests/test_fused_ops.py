@@ -35,6 +35,16 @@ for dtype, wdtype in [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.fl
         # batch invariance: a row alone gives the same bits as inside the batch
         x2 = x.reshape(-1, shape[-1])
         assert torch.equal(rms_norm_triton(x2[1:2], w, 1e-6), rms_norm_triton(x2, w, 1e-6)[1:2])
+# strided inputs, as column slices of one stacked GEMM output (q/k of a q|k|v buffer, gate/up of gate|up)
+buf = torch.randn(2, 3, 6 * 64).to(torch.bfloat16)
+x = buf[..., 64:320].view(2, 3, 4, 64)
+w = (1 + 0.1 * torch.randn(64)).to(torch.bfloat16)
+got = rms_norm_triton(x, w, 1e-6)
+assert got.is_contiguous() and torch.equal(got, rms_norm_triton(x.contiguous(), w, 1e-6))
+ref = rms_norm_reference(x, w, 1e-6)
+assert float(((got.float() - ref.float()).abs() / ref.float().abs().clamp_min(1e-3)).max()) <= 2.0 ** -7
+gu = (torch.randn(5, 2, 600) * 3).to(torch.bfloat16)
+assert torch.equal(silu_mul_triton(gu[..., :300], gu[..., 300:]), silu_mul_reference(gu[..., :300], gu[..., 300:]))
 for dtype in (torch.bfloat16, torch.float32):
     for B, H, T, D, cos_batch in [(2, 4, 5, 64, 2), (3, 2, 1, 128, 3), (2, 3, 4, 32, 1)]:
         q = torch.randn(B, T, H, D).to(dtype).transpose(1, 2)  # the model's strided (B, H, T, D) view

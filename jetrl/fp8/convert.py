@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from jetrl.fp8.kv_quant import KVQuant
 from jetrl.fp8.linear import Float8Linear
+from jetrl.fp8.projection_group import install_projection_groups
 from jetrl.fp8.recipe import Recipe, check_rollout_subgraph
 
 ModuleFilter = Callable[[nn.Module, str], bool]
@@ -56,6 +57,7 @@ def convert_to_float8(model: nn.Module, recipe: Recipe, module_filter: ModuleFil
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, Float8Linear.from_float(linear, recipe, name=fqn))
+    install_projection_groups(model)  # q/k/v and gate/up: one stacked GEMM in the CUDA rollout
     return model
 
 

@@ -18,7 +18,8 @@ One ``autograd.Function`` holds the whole layer (y = x W^T; M tokens, K in, N ou
   read the same input tensor -- q/k/v of one attention, gate/up of one MLP -- quantize it once:
   the last quantization is kept with a weak reference to its input and the input's version
   counter, so a hit is the same tensor object, unmodified, with the same spec (the codes are
-  those a fresh call would produce: the quantizer is deterministic).
+  those a fresh call would produce: the quantizer is deterministic). On CUDA such siblings also
+  run as one GEMM over their stacked weight codes (projection_group.py).
 
 Which precision a call uses comes from the module's :class:`~jetrl.fp8.recipe.Recipe` and
 the current phase (``precision_phase("rollout")`` in the engine): under ``jet`` both phases
@@ -129,6 +130,7 @@ class Float8Linear(nn.Linear):
         self.recipe = recipe
         self.fqn = name
         self.weight_cache = WeightCache(f"{name}.weight")
+        self.projection_group = None  # set by jetrl.fp8.projection_group.install_projection_groups
 
     @classmethod
     def from_float(cls, linear: nn.Linear, recipe: Recipe, name: str = "linear") -> Float8Linear:
@@ -145,7 +147,11 @@ class Float8Linear(nn.Linear):
     def quantized_weight(self) -> Float8Blocks | None:
         """The cached FP8 weight the rollout reads (and the export writes); None if the rollout is BF16."""
         spec = self.recipe.rollout.weight or self.recipe.train.weight
-        return None if spec is None else self.weight_cache.get(self.weight, spec)
+        if spec is None:
+            return None
+        if self.projection_group is not None and self.weight.is_cuda:
+            self.projection_group.stacked_weight(spec)  # the entry is a view of the group's stacked buffer
+        return self.weight_cache.get(self.weight, spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.precision()
@@ -154,10 +160,16 @@ class Float8Linear(nn.Linear):
         self._check_input(x)
         x2d = x.reshape(-1, self.in_features)
         if not torch.is_grad_enabled():  # inference: no Function; siblings share the input's quantization
-            x_q = _last_input.get(x, spec.input, lambda: quantize(x2d, spec.input.block,
-                                                                  pow2_scale=spec.input.pow2_scale,
-                                                                  name=f"{self.fqn}.input"))
-            y = fp8_gemm(x_q, self.weight_cache.get(self.weight, spec.weight), out_dtype=x2d.dtype)
+            def x_q() -> Float8Blocks:
+                return _last_input.get(x, spec.input, lambda: quantize(x2d, spec.input.block,
+                                                                       pow2_scale=spec.input.pow2_scale,
+                                                                       name=f"{self.fqn}.input"))
+
+            group = self.projection_group
+            if group is not None and group.applies(x, spec):
+                y = group.output(self, x, x2d, x_q)  # a column slice of the siblings' stacked GEMM
+            else:
+                y = fp8_gemm(x_q(), self.weight_cache.get(self.weight, spec.weight), out_dtype=x2d.dtype)
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(y.dtype)
         save_for_wgrad = torch.is_grad_enabled() and self.weight.requires_grad

@@ -75,6 +75,15 @@ class WeightCache:
         self._transposed_stale = False
         return self._weight_t
 
+    def adopt(self, blocks: Float8Blocks) -> None:
+        """Hold the current codes in ``blocks`` instead (same values, e.g. a view of a stacked buffer
+        that a :class:`~jetrl.fp8.projection_group.ProjectionGroup` owns); later versions are written
+        into it in place, like any entry."""
+        if self._weight is None or not _same_layout(self._weight, blocks):
+            raise ValueError(f"{self.name}: can only adopt blocks of the cached weight's layout")
+        self._weight = blocks
+        self._transposed_stale = True
+
     def prime(self, weight: torch.Tensor, spec: QuantSpec, quantized: Float8Blocks) -> None:
         """Install ``quantized`` as q(``weight``) for the weight's *current* version, without quantizing.
 

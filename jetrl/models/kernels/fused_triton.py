@@ -38,14 +38,16 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, num_cols, stride_x, stride_o, eps,
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, num_cols, inner, stride_outer, stride_inner, stride_o, eps,
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, X_DTYPE: tl.constexpr,
                      OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
     col_ok = cols < num_cols
     mask = (rows[:, None] < num_rows) & col_ok[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    # row r of the (outer, inner) row grid: x may be a strided view (a column slice of a stacked GEMM)
+    x_rows = (rows // inner) * stride_outer + (rows % inner) * stride_inner
+    x = tl.load(x_ptr + x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     mean_square = tl.math.div_rn(tl.sum(x * x, axis=1), num_cols.to(tl.float32))
     r = tl.math.rsqrt(mean_square + eps)
     n = rounded(x * r[:, None], X_DTYPE)
@@ -55,19 +57,25 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, num_cols, stride_x, stride
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Same signature and result (up to the row sum's order) as ``rms_norm_reference``."""
+    """Same signature and result (up to the row sum's order) as ``rms_norm_reference``.
+
+    ``x`` may be strided in its leading dims (rows are addressed as an (outer, inner) grid, so a
+    (B, T, H, D) view of a wider buffer is read in place); the output is contiguous.
+    """
     cols = x.shape[-1]
     assert weight.shape == (cols,) and weight.is_contiguous() and x.dtype in _TL_DTYPES, (x.shape, weight.shape)
-    x2d = x.reshape(-1, cols)
-    if x2d.stride(1) != 1:
-        x2d = x2d.contiguous()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    grid3 = x.reshape(-1, 1, cols) if x.dim() < 3 else (x.flatten(0, -3) if x.dim() > 3 else x)  # (outer, inner, C)
+    outer, inner = grid3.shape[0], grid3.shape[1]
+    num_rows = outer * inner
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
-    out = torch.empty(x2d.shape, dtype=out_dtype, device=x.device)
+    out = torch.empty((num_rows, cols), dtype=out_dtype, device=x.device)
     block_c = triton.next_power_of_2(cols)
     block_r = max(1, min(64, 4096 // block_c))
-    grid = (triton.cdiv(x2d.shape[0], block_r),)
+    grid = (triton.cdiv(num_rows, block_r),)
     _rms_norm_kernel[grid](
-        x2d, weight, out, x2d.shape[0], cols, x2d.stride(0), out.stride(0), eps,
+        grid3, weight, out, num_rows, cols, inner, grid3.stride(0), grid3.stride(1), out.stride(0), eps,
         BLOCK_R=block_r, BLOCK_C=block_c, X_DTYPE=_TL_DTYPES[x.dtype], OUT_DTYPE=_TL_DTYPES[out_dtype],
         EMULATE=_EMULATE, num_warps=4 if block_c * block_r <= 4096 else 8,
     )
@@ -119,25 +127,34 @@ def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, num_rows, num_cols, stride_g, stride_u,
+                     BLOCK: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < num_cols
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     if EMULATE:
         e = tl.exp(-g)  # the interpreter: numpy's expf
     else:
         e = libdevice.exp(-g)  # accurate expf (tl.exp is the fast ex2.approx form)
     s = rounded(tl.math.div_rn(g, 1.0 + e), DTYPE)
-    tl.store(out_ptr + offs, round_to(s * u, DTYPE, EMULATE), mask=mask)
+    tl.store(out_ptr + row * num_cols + cols, round_to(s * u, DTYPE, EMULATE), mask=mask)
 
 
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Same signature and result as ``silu_mul_reference``: ``silu(gate) * up``, both (..., I) of one dtype."""
+    """Same signature and result as ``silu_mul_reference``: ``silu(gate) * up``, both (..., I) of one dtype.
+
+    Rows may be strided (gate and up as column slices of one stacked GEMM output); the output is contiguous.
+    """
     assert gate.shape == up.shape and gate.dtype == up.dtype and gate.dtype in _TL_DTYPES, (gate.shape, up.shape)
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
-    n, block = gate.numel(), 1024
-    _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, DTYPE=_TL_DTYPES[gate.dtype],
-                                               EMULATE=_EMULATE, num_warps=4)
+    cols = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, cols), up.reshape(-1, cols)
+    g2 = g2 if g2.stride(-1) == 1 else g2.contiguous()
+    u2 = u2 if u2.stride(-1) == 1 else u2.contiguous()
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    rows, block = g2.shape[0], 1024
+    _silu_mul_kernel[(rows, triton.cdiv(cols, block))](g2, u2, out, rows, cols, g2.stride(0), u2.stride(0),
+                                                       BLOCK=block, DTYPE=_TL_DTYPES[gate.dtype], EMULATE=_EMULATE,
+                                                       num_warps=4)
     return out
