@@ -92,6 +92,7 @@ def test_stacked_path_gives_the_separate_gemms_logits(monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
         stacked = model(ids)
     assert len(calls) == 5 * CFG.num_hidden_layers
+    assert all(g._out is None for g in _groups(model).values())  # no output is held after the last member
     torch.testing.assert_close(stacked, separate, rtol=1e-5, atol=1e-5)
     # with autograd on, members run their own GEMMs (each has its own backward)
     calls.clear()

@@ -44,8 +44,9 @@ available) a decode view also exposes ``attend(layer, q, k, v)``: it stores k/v 
 does and returns ``jetrl.engine.decode_attention.decode_attention`` over the cache rows, which
 reads FP8 codes and scales directly instead of materializing a dequantized cache, and the step's
 K/V are written (and quantized) by one fused kernel (``kernels/kv_store_triton.py``, spec
-:meth:`DecodeView.store_reference`). No host sync, so a decode step stays CUDA-graph capturable. The CPU path never uses it: it dequantizes and
-runs the model's own attention, the reference the kernel is tested against.
+:meth:`DecodeView.store_reference`). No host sync, so a decode step stays CUDA-graph capturable.
+The CPU path never uses them: it dequantizes and runs the model's own attention, the reference the
+kernel is tested against.
 """
 
 from __future__ import annotations

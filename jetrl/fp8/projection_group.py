@@ -26,6 +26,8 @@ separate GEMMs (each member's backward is its own), and the CPU keeps them too, 
 trainer/engine bit-exactness is untouched. The first member called computes the stacked output
 for an input tensor; the others return their column slice of it (a weak reference to the input
 and its version counter make the hit exact, as for the shared input quantization in linear.py).
+The group lets go of the stacked output once every member has taken its slice, so no group keeps a
+prefill-sized activation alive between calls.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class ProjectionGroup:
         self._ref: weakref.ref | None = None
         self._key: tuple | None = None
         self._out: torch.Tensor | None = None
+        self._unread: set[int] = set()
 
     @staticmethod
     def can_group(members: list[nn.Module]) -> bool:
@@ -84,9 +87,14 @@ class ProjectionGroup:
         if self._ref is None or self._ref() is not x or self._key != key:
             weight = self.stacked_weight(spec.weight)
             self._out = fp8_gemm(quantize_input(), weight, out_dtype=x2d.dtype)
-            self._ref, self._key = weakref.ref(x), key
-        start = self.offsets[self.members.index(member)]
-        return self._out[:, start:start + member.out_features]
+            self._ref, self._key, self._unread = weakref.ref(x), key, set(range(len(self.members)))
+        index = self.members.index(member)
+        start = self.offsets[index]
+        out = self._out[:, start:start + member.out_features]
+        self._unread.discard(index)
+        if not self._unread:  # every member has its slice: hold no reference to a (prefill-sized) output
+            self._out = self._ref = self._key = None
+        return out
 
     def stacked_weight(self, spec: QuantSpec) -> Float8Blocks:
         """The members' current FP8 weights, stacked along N, with no copy (module docstring)."""

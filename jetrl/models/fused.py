@@ -1,4 +1,4 @@
-"""RMSNorm, RoPE and SwiGLU as functions with a PyTorch reference (the spec) and an optional fused kernel.
+"""RMSNorm, RoPE and SwiGLU as functions with a PyTorch reference (the spec) and a fused Triton kernel.
 
 Why: the decoder calls these on every layer; on a GPU at decode sizes each eager op is its own
 launch-bound kernel (docs/benchmarks.md, section d). The fused Triton kernels
