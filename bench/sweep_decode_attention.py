@@ -1,5 +1,6 @@
 """The H200 sweep behind the decode-attention defaults (block, warps, stages, splits), BF16 and FP8
-caches, against SDPA over the full static cache. GPU only; writes $OUT/attn.json.
+caches (the FP8 one also with the scales outside the dots), against SDPA over the full static cache.
+GPU only; writes $OUT/attn.json.
 
     PYTHONPATH=. OUT=/tmp python3 bench/sweep_decode_attention.py
 """
@@ -44,10 +45,11 @@ def main() -> None:
             {**base, "kind": "sdpa_full_bf16", "us": sdpa_us, "valid_tb_s": valid * Hkv * D * 2 * 2 / sdpa_us / 1e6}
         )
         print(res[-1], flush=True)
-        for fp8 in (False, True):
+        for fp8, scales_outside in ((False, False), (True, False), (True, True)):
             kk, vv = (k8[1], v8[1]) if fp8 else (kb[1], vb[1])
-            kw = {"k_scales": ks[1], "v_scales": vs[1]} if fp8 else {}
-            ref = decode_attention_reference(q, kk, vv, lengths, **kw).float()
+            kw = {"k_scales": ks[1], "v_scales": vs[1], "fp8_scales_outside": scales_outside} if fp8 else {}
+            ref_kw = {key: val for key, val in kw.items() if key != "fp8_scales_outside"}
+            ref = decode_attention_reference(q, kk, vv, lengths, **ref_kw).float()
             nbytes = valid * Hkv * D * (1 if fp8 else 2) * 2 + (valid * Hkv * 4 * 2 if fp8 else 0)
             best = None
             for bs, nw, st, sp in itertools.product(
@@ -64,7 +66,7 @@ def main() -> None:
                     continue
                 row = {
                     **base,
-                    "kind": "fp8" if fp8 else "bf16",
+                    "kind": ("fp8 scales outside" if scales_outside else "fp8") if fp8 else "bf16",
                     "block_s": bs,
                     "warps": nw,
                     "stages": st,

@@ -14,8 +14,13 @@ import sys
 import pytest
 import torch
 
-from jetrl.models.fused import (apply_rope_reference, fused_ops_enabled, fused_ops_requested, rms_norm_reference,
-                                use_fused_ops)
+from jetrl.models.fused import (
+    apply_rope_reference,
+    fused_ops_enabled,
+    fused_ops_requested,
+    rms_norm_reference,
+    use_fused_ops,
+)
 
 SCRIPT = r"""
 import torch
@@ -123,9 +128,7 @@ def test_fused_kernels_on_cuda_and_in_the_model():
     x, w = torch.randn(37, 4096, device="cuda", dtype=torch.bfloat16), torch.randn(4096, device="cuda").bfloat16()
     ref_norm, ref_rope = rms_norm_reference(x, w, 1e-6), apply_rope_reference(q, cos, sin)
     with use_fused_ops(True):
-        from jetrl.models.fused import apply_rope, rms_norm
-
-        from jetrl.models.fused import silu_mul, silu_mul_reference
+        from jetrl.models.fused import apply_rope, rms_norm, silu_mul, silu_mul_reference
 
         assert torch.equal(apply_rope(q, cos, sin), ref_rope)
         g, u = x * 3, x.flip(0)

@@ -5,12 +5,15 @@ static cache of ``decode_batch`` rows whose lengths spread around ``decode_conte
 CUDA-graph replay. Effective TB/s counts the bytes a row *must* read: its valid K and V
 positions (and, for FP8, their per-token-head scales). The baseline is SDPA over the same
 BF16 cache with a mask, which is what the engine ran before this kernel: it reads every
-position of the fixed-length rows, valid or not. Correctness: the kernel's output against
+position of the fixed-length rows, valid or not. On CUDA a third row times the FP8 variant that
+keeps the scales outside the dots (``decode_attention_triton(fp8_scales_outside=True)``, not yet
+the default). Correctness: the kernel's output against
 :func:`~jetrl.engine.decode_attention.decode_attention_reference` (relative error).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -39,20 +42,26 @@ def decode_attention_rows(cfg: BenchConfig, device: torch.device, lengths: list[
     sdpa_us = graph_time_us(lambda: F.scaled_dot_product_attention(q_folded, k, v, attn_mask=mask), device,
                             calls=cfg.graph_calls, replays=cfg.graph_replays)
     rows = []
-    for cache in ("bf16", "fp8"):
-        kw: dict[str, Any] = {}
-        kk, vv, elem = k, v, 2
-        if cache == "fp8":
-            kk, vv, elem = (k * 8).to(E4M3), (v * 8).to(E4M3), 1
-            kw = {"k_scales": torch.full((B, Hkv, S), 0.125, device=device),
-                  "v_scales": torch.full((B, Hkv, S), 0.125, device=device)}
-        out = decode_attention(q, kk, vv, lengths_t, **kw)
+    # FP8 cache: random per-token-head scales (not powers of two, as the quantizer makes them)
+    k_scales = (0.1 + 0.05 * torch.rand(B, Hkv, S, generator=gen)).to(device)
+    v_scales = (0.1 + 0.05 * torch.rand(B, Hkv, S, generator=gen)).to(device)
+    fp8 = {"k": (k / k_scales[..., None]).to(E4M3), "v": (v / v_scales[..., None]).to(E4M3),
+           "kw": {"k_scales": k_scales, "v_scales": v_scales}}
+    variants = [("bf16 cache", k, v, {}, decode_attention, 2),
+                ("fp8 cache", fp8["k"], fp8["v"], fp8["kw"], decode_attention, 1)]
+    if device.type == "cuda":
+        from jetrl.engine.kernels.decode_attention_triton import decode_attention_triton  # lazy: Triton
+
+        variants.append(("fp8 cache, scales outside the dots", fp8["k"], fp8["v"], fp8["kw"],
+                         partial(decode_attention_triton, fp8_scales_outside=True), 1))
+    for label, kk, vv, kw, fn, elem in variants:
+        out = fn(q, kk, vv, lengths_t, **kw)
         err = rel_err(out, decode_attention_reference(q, kk, vv, lengths_t, **kw))
-        us = graph_time_us(lambda kk=kk, vv=vv, kw=kw: decode_attention(q, kk, vv, lengths_t, **kw), device,
+        us = graph_time_us(lambda kk=kk, vv=vv, kw=kw, fn=fn: fn(q, kk, vv, lengths_t, **kw), device,
                            calls=cfg.graph_calls, replays=cfg.graph_replays)
-        nbytes = 2 * valid * Hkv * D * elem + (2 * valid * Hkv * 4 if cache == "fp8" else 0)
+        nbytes = 2 * valid * Hkv * D * elem + (2 * valid * Hkv * 4 if elem == 1 else 0)
         rows.append({
-            "name": f"decode attention {cache} cache B={B} ctx {cfg.decode_context}", "unit": "us",
+            "name": f"decode attention {label} B={B} ctx {cfg.decode_context}", "unit": "us",
             "baseline": sdpa_us, "baseline_label": "SDPA full", "value": us, "value_label": "kernel",
             "ratio": sdpa_us / us, "tb_s": tb_per_s(nbytes, us * 1e-3), "rel_err": err,
             "check": status(err < ATTN_REL_ERR_MAX), "check_detail": f"rel err {err:.1e}",

@@ -21,7 +21,9 @@
     quantization + the dispatcher's per-shape pick), which is what a decode step pays.
     Correctness: every FP8 output within 1e-2 relative Frobenius error of ``gemm_emulated``.
     The FP8 weight-bytes floor (N*K code bytes + scales at the copy ceiling) is listed.
-    Target: the sum over the four GEMMs >= 1.8x BF16 at each M <= 64.
+    Target: the sum over the four GEMMs >= 1.8x BF16 at each M <= 64. Last rows: the five input
+    projections (q, k, v, gate, up) as five GEMMs against two stacked ones, in BF16 and FP8 -- what
+    the FP8 projection groups save, and what stacking would save BF16 (:func:`_stacking_row`).
 """
 
 from __future__ import annotations
@@ -297,7 +299,56 @@ def decode_gemms(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any]]
         if m <= DECODE_SUM_MAX_M:
             set_target(row, ">=", DECODE_SUM_TARGET, smoke=cfg.smoke)
         rows.append(row)
+    for m in cfg.decode_ms:
+        label = f"decode projections separate vs stacked, M={m}"
+        rows.append(guarded(label, partial(_stacking_row, cfg, m, device, graph)))
     return rows
+
+
+def _stacking_row(cfg: BenchConfig, m: int, device: torch.device, graph: dict) -> dict[str, Any]:
+    """q, k, v, gate, up as five GEMMs against two stacked ones (qkv, gate_up), BF16 and FP8 (``jet`` rollout).
+
+    What the FP8 projection groups (jetrl/fp8/projection_group.py) save, and what the same stacking
+    would save BF16, which keeps separate GEMMs (its weights are the trainer's parameters).
+    """
+    q_out, kv_out = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    sizes = {"q": q_out, "k": kv_out, "v": kv_out, "gate": cfg.intermediate, "up": cfg.intermediate}
+    torch.manual_seed(0)
+    weights = {name: torch.randn(n, cfg.hidden, device=device, dtype=torch.bfloat16) * 0.02
+               for name, n in sizes.items()}
+    stacked = [torch.cat([weights["q"], weights["k"], weights["v"]]), torch.cat([weights["gate"], weights["up"]])]
+    x = torch.randn(m, cfg.hidden, device=device, dtype=torch.bfloat16)
+
+    def fp8_module(w: torch.Tensor, name: str) -> Float8Linear:
+        linear = nn.Linear(cfg.hidden, w.shape[0], bias=False, device="meta")
+        linear.weight = nn.Parameter(w, requires_grad=False)
+        return Float8Linear.from_float(linear, get_recipe("jet"), name=f"bench.stacking.{name}")
+
+    separate_fp8 = [fp8_module(w, name) for name, w in weights.items()]  # no projection groups: five GEMMs
+    stacked_fp8 = [fp8_module(w, name) for w, name in zip(stacked, ("qkv", "gate_up"))]
+
+    def run(fns: list) -> Any:
+        return lambda: [fn(x) for fn in fns]
+
+    bf16_sep = [partial(F.linear, weight=w) for w in weights.values()]
+    bf16_st = [partial(F.linear, weight=w) for w in stacked]
+    with torch.no_grad(), precision_phase("rollout"):
+        sep, st = torch.cat([f(x) for f in separate_fp8], 1), torch.cat([f(x) for f in stacked_fp8], 1)
+        bf16_sep_out, bf16_st_out = torch.cat([f(x) for f in bf16_sep], 1), torch.cat([f(x) for f in bf16_st], 1)
+        err = max(rel_err(st, sep), rel_err(bf16_st_out, bf16_sep_out))
+        times = {key: graph_time_us(run(fns), device, **graph) for key, fns in
+                 (("bf16_separate", bf16_sep), ("bf16_stacked", bf16_st), ("fp8_separate", separate_fp8),
+                  ("fp8_stacked", stacked_fp8))}
+    return {"name": f"decode projections separate vs stacked, M={m}", "unit": "us",
+            "baseline": times["bf16_separate"], "baseline_label": "bf16 5 GEMMs", "value": times["bf16_stacked"],
+            "value_label": "bf16 2 GEMMs", "ratio": times["bf16_separate"] / times["bf16_stacked"], **times,
+            "fp8_ratio": times["fp8_separate"] / times["fp8_stacked"], "rel_err": err,
+            "check": status(err < GEMM_REL_ERR_MAX), "check_detail": f"stacked vs separate rel err {err:.1e}",
+            "note": (f"q,k,v,gate,up; fp8 5 GEMMs {times['fp8_separate']:.1f} us, "
+                     f"2 GEMMs {times['fp8_stacked']:.1f} us "
+                     f"({times['fp8_separate'] / times['fp8_stacked']:.2f}x); stacked fp8 vs separate bf16 "
+                     f"{times['bf16_separate'] / times['fp8_stacked']:.2f}x, stacked both "
+                     f"{times['bf16_stacked'] / times['fp8_stacked']:.2f}x")}
 
 
 def _decode_layer(name: str, n: int, k: int, device: torch.device) -> tuple[torch.Tensor, Float8Blocks, Float8Linear]:

@@ -21,7 +21,8 @@ linear layers) and ``jet_kv`` (``jet`` + FP8 KV cache) where that recipe exists.
     prefill included; ms/step = the decode part / (N - 1) (prefill timed separately). The floor
     of the same config averages the KV read over the generation (context P + N/2). Compared:
     jetrl FP8 vs jetrl BF16, next to the floor ratio (target: >= 90% of it), and the decode step
-    of jetrl BF16 vs HF ``generate`` at the same mean context (hf_generate.py; target >= 12x). Optionally a long-context config
+    of jetrl BF16 vs HF ``generate`` at the same mean context (hf_generate.py; target >= 12x).
+    Optionally a long-context config
     (``jet_kv`` vs ``bf16``; by default batch 64, 3072 + 1024 tokens), where the KV cache is
     most of the bytes and an FP8 cache matters most.
 """
@@ -128,7 +129,8 @@ def _unfused_rows(model: nn.Module, batch: int, lengths: list[int], cfg: BenchCo
         if default in fused:
             row.update(baseline=step_ms, baseline_label="PyTorch ops", value=fused[default]["value"],
                        value_label="fused", ratio=step_ms / fused[default]["value"])
-        row["note"] = f"ratio = fused kernels' speedup; PyTorch ops {step_ms / floor_ms_:.2f}x the floor {floor_ms_:.3f} ms"
+        row["note"] = (f"ratio = fused kernels' speedup; PyTorch ops {step_ms / floor_ms_:.2f}x the floor "
+                       f"{floor_ms_:.3f} ms")
         rows.append(row)
     return rows
 

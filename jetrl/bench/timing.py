@@ -71,8 +71,9 @@ def graph_time_us(fn: Callable[[], object], device: torch.device, *, calls: int,
     ``fn`` must be capturable: no host sync, every lazy initialization (Triton compilation,
     weight caches, cuBLAS workspaces) done by the ``max(warmup, calls)`` warm-up calls, which run on
     a side stream as the CUDA-graph docs require. (A weight cache filled during capture would run
-    its finite check, a host sync, and a failed capture leaves the CUDA generator unusable.) Outputs of the captured calls live in the graph's private
-    memory pool and are freed with the graph. On CPU: ``calls`` eager calls, ``perf_counter``.
+    its finite check, a host sync, and a failed capture leaves the CUDA generator unusable.) Outputs
+    of the captured calls live in the graph's private memory pool and are freed with the graph. On
+    CPU: ``calls`` eager calls, ``perf_counter``.
     """
     calls = max(calls, 1)
     warmup = max(warmup, calls)  # a rotating ``fn`` (bench c) meets every weight copy before capture

@@ -227,7 +227,7 @@ class DecodeView:
 
     def _store(self, layer_idx: int, k: Tensor, v: Tensor) -> None:
         """Write each row's k/v (B, Hkv, 1, D) at its own position lengths[s]; no host sync."""
-        B, H, T, D = k.shape
+        B, _, T, D = k.shape
         if T != 1 or B != self.num_rows:
             raise ValueError(
                 f"a decode step takes one token for each of {self.num_rows} rows, got k of shape {tuple(k.shape)}"

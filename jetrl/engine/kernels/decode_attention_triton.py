@@ -72,35 +72,49 @@ def _dot(a, b, EMULATE: tl.constexpr):
 
 @triton.jit
 def _load_kv(row_ptr, scale_row_ptr, pos, offs_d, stride_s, stride_d, stride_scale, s_mask, d_mask,
-             DTYPE: tl.constexpr, IS_FP8: tl.constexpr, EMULATE: tl.constexpr):
-    """A (BLOCK_S, BLOCK_D) tile of K or V in DTYPE; masked (stale or padded) entries are 0."""
+             DTYPE: tl.constexpr, IS_FP8: tl.constexpr, SCALE_OUT: tl.constexpr, EMULATE: tl.constexpr):
+    """A (BLOCK_S, BLOCK_D) tile of K or V in DTYPE, masked (stale or padded) entries 0, and the tile's
+    per-position scales (BLOCK_S,) when SCALE_OUT (then the tile holds the bare codes, exact in DTYPE)."""
     x = tl.load(row_ptr + pos[:, None] * stride_s + offs_d[None, :] * stride_d,
                 mask=s_mask[:, None] & d_mask[None, :], other=0)
+    scale = tl.zeros_like(pos).to(tl.float32)
     if IS_FP8:  # uint8 codes -> e4m3 -> fp32, times the token's scale, one rounding (kv_quant.dequantize_kv)
         scale = tl.load(scale_row_ptr + pos * stride_scale, mask=s_mask, other=0.0)
-        x = round_to(x.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None], DTYPE, EMULATE)
-    return x
+        codes = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if SCALE_OUT:
+            x = round_to(codes, DTYPE, EMULATE)  # exact: an E4M3 value fits bf16/fp16/fp32
+        else:
+            x = round_to(codes * scale[:, None], DTYPE, EMULATE)
+    return x, scale
 
 
 @triton.jit
 def _attend_tile(q, m, l, acc, tile_start, end, offs_s, offs_d, d_mask, qk_scale,
                  k_row, ks_row, stride_ks, stride_kd, stride_kss, v_row, vs_row, stride_vs, stride_vd, stride_vss,
-                 DTYPE: tl.constexpr, IS_FP8: tl.constexpr, EMULATE: tl.constexpr):
+                 DTYPE: tl.constexpr, IS_FP8: tl.constexpr, SCALE_OUT: tl.constexpr, EMULATE: tl.constexpr):
     """One BLOCK_S tile of the online softmax: returns the updated (m, l, acc)."""
     pos = tile_start + offs_s
     s_mask = pos < end
-    k = _load_kv(k_row, ks_row, pos, offs_d, stride_ks, stride_kd, stride_kss, s_mask, d_mask, DTYPE, IS_FP8, EMULATE)
-    t = _dot(q, tl.trans(k), EMULATE) * qk_scale  # (BLOCK_G, BLOCK_S) base-2 logits
+    k, k_scale = _load_kv(k_row, ks_row, pos, offs_d, stride_ks, stride_kd, stride_kss, s_mask, d_mask, DTYPE,
+                          IS_FP8, SCALE_OUT, EMULATE)
+    if SCALE_OUT:  # q . (c_j s_j) = s_j (q . c_j): one multiply per position instead of per element
+        t = _dot(q, tl.trans(k), EMULATE) * (k_scale * qk_scale)[None, :]
+    else:
+        t = _dot(q, tl.trans(k), EMULATE) * qk_scale  # (BLOCK_G, BLOCK_S) base-2 logits
     t = tl.where(s_mask[None, :], t, float("-inf"))
     m_new = tl.maximum(m, tl.max(t, axis=1))  # finite: every tile holds a valid position
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(t - m_new[:, None])
-    v = _load_kv(v_row, vs_row, pos, offs_d, stride_vs, stride_vd, stride_vss, s_mask, d_mask, DTYPE, IS_FP8, EMULATE)
+    v, v_scale = _load_kv(v_row, vs_row, pos, offs_d, stride_vs, stride_vd, stride_vss, s_mask, d_mask, DTYPE,
+                          IS_FP8, SCALE_OUT, EMULATE)
+    pw = p
+    if SCALE_OUT:
+        pw = p * v_scale[None, :]  # sum_j p_j (c_j s_j) = sum_j (p_j s_j) c_j
     if DTYPE == tl.float32:
-        pv = _dot(p, v, EMULATE)
-    else:  # p = hi + lo, both in DTYPE; p - hi is exact in fp32 (module docstring)
-        p_hi = p.to(DTYPE)
-        p_lo = (p - p_hi.to(tl.float32)).to(DTYPE)
+        pv = _dot(pw, v, EMULATE)
+    else:  # pw = hi + lo, both in DTYPE; pw - hi is exact in fp32 (module docstring)
+        p_hi = pw.to(DTYPE)
+        p_lo = (pw - p_hi.to(tl.float32)).to(DTYPE)
         pv = _dot(p_hi, v, EMULATE) + _dot(p_lo, v, EMULATE)
     return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
 
@@ -122,7 +136,7 @@ def _decode_attention_kernel(
     stride_vsb, stride_vsh, stride_vss,
     stride_ob, stride_oh, stride_od,
     G: tl.constexpr, DTYPE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr, EMULATE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr, SCALE_OUT: tl.constexpr, EMULATE: tl.constexpr,
 ):
     pid, split = tl.program_id(0), tl.program_id(1)
     b = (pid // num_kv_heads).to(tl.int64)  # int64: b * stride_kb can pass 2^31 on a large cache
@@ -151,13 +165,15 @@ def _decode_attention_kernel(
         while tile_start < end:
             m, l, acc = _attend_tile(q, m, l, acc, tile_start, end, offs_s, offs_d, d_mask, qk_scale,
                                      k_row, ks_row, stride_ks, stride_kd, stride_kss,
-                                     v_row, vs_row, stride_vs, stride_vd, stride_vss, DTYPE, IS_FP8, EMULATE)
+                                     v_row, vs_row, stride_vs, stride_vd, stride_vss,
+                                     DTYPE, IS_FP8, SCALE_OUT, EMULATE)
             tile_start += BLOCK_S
     else:  # a for loop, so that Triton software-pipelines the K/V loads (num_stages)
         for tile_start in range(start, end, BLOCK_S):
             m, l, acc = _attend_tile(q, m, l, acc, tile_start, end, offs_s, offs_d, d_mask, qk_scale,
                                      k_row, ks_row, stride_ks, stride_kd, stride_kss,
-                                     v_row, vs_row, stride_vs, stride_vd, stride_vss, DTYPE, IS_FP8, EMULATE)
+                                     v_row, vs_row, stride_vs, stride_vd, stride_vss,
+                                     DTYPE, IS_FP8, SCALE_OUT, EMULATE)
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
@@ -222,11 +238,19 @@ def decode_attention_triton(
     num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
+    fp8_scales_outside: bool = False,
 ) -> torch.Tensor:
     """Same signature and result as ``decode_attention_reference``: (B, H, D) in q.dtype.
 
     ``block_s``, ``num_splits`` (None: :func:`choose_num_splits`), ``num_warps`` and ``num_stages``
     exist for the bench's sweep. Inputs are validated by the public ``decode_attention``.
+
+    ``fp8_scales_outside`` (FP8 cache; not yet the default, the bench times both): the dots take
+    the bare E4M3 codes (exact in the model dtype) and the per-token scales multiply the logits
+    (K) and the probabilities (V) instead of every element: ``q . (c s) = s (q . c)``. The
+    per-element dequantization is what bounds the FP8 loop (module docstring). Exactly the
+    reference's values with power-of-two scales; otherwise it skips the reference's rounding of
+    ``c * s`` to the model dtype, the difference kv_quant.py allows a fused kernel.
     """
     B, H, D = q.shape
     _, Hkv, S, _ = k.shape
@@ -259,7 +283,8 @@ def decode_attention_triton(
         Hkv, S, D, sm_scale * LOG2E, lengths.stride(0),
         *q.stride(), *k.stride(), *v.stride(), *ks_strides, *vs_strides, *out.stride(),
         G=G, DTYPE=dtype, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_S=block_s, BLOCK_D=block_d,
-        NUM_SPLITS=num_splits, IS_FP8=is_fp8, EMULATE=_EMULATE, num_warps=num_warps, num_stages=num_stages,
+        NUM_SPLITS=num_splits, IS_FP8=is_fp8, SCALE_OUT=is_fp8 and fp8_scales_outside, EMULATE=_EMULATE,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(B * H,)](
