@@ -116,3 +116,14 @@ def test_stacked_path_on_cuda():
                 m.projection_group = None
         separate = model(ids).float()
     assert float((stacked - separate).norm() / separate.norm()) < 1e-2
+
+
+def test_inference_mode_inputs_take_the_plain_path():
+    """``torch.inference_mode`` tensors have no version counter: no reuse, no stacking, same logits."""
+    model = _model()
+    ids = torch.randint(0, CFG.vocab_size, (2, 5))
+    with torch.no_grad(), precision_phase("rollout"):
+        expected = model(ids)
+    with torch.inference_mode(), precision_phase("rollout"):
+        got = model(ids)
+    assert torch.equal(got, expected)

@@ -107,6 +107,8 @@ class _LastInputQuant(threading.local):
         self.value: Float8Blocks | None = None
 
     def get(self, x: torch.Tensor, spec: QuantSpec, make) -> Float8Blocks:
+        if x.is_inference():  # torch.inference_mode: no version counter to prove a hit, so no reuse
+            return make()
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         key = (x._version, spec, capturing)
         if self.ref is not None and self.ref() is x and self.key == key:

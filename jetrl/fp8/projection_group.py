@@ -76,8 +76,10 @@ class ProjectionGroup:
                    for m in members)
 
     def applies(self, x: torch.Tensor, spec) -> bool:
-        """Whether this call may take the stacked path: CUDA, no autograd, the members' weight spec 128x128."""
-        return x.is_cuda and not torch.is_grad_enabled() and spec.weight.block == (BLOCK, BLOCK)
+        """Whether this call may take the stacked path: CUDA, no autograd, the members' weight spec 128x128,
+        and an input with a version counter (not a ``torch.inference_mode`` tensor)."""
+        return (x.is_cuda and not torch.is_grad_enabled() and not x.is_inference()
+                and spec.weight.block == (BLOCK, BLOCK))
 
     def output(self, member: Float8Linear, x: torch.Tensor, x2d: torch.Tensor, quantize_input) -> torch.Tensor:
         """``member``'s (M, n) output: a column slice of the stacked GEMM of ``x`` (computed once per input)."""
