@@ -32,6 +32,8 @@ from jetrl.engine.decode_attention import (
 )
 from jetrl.fp8.quant import E4M3
 
+from .conftest import compile_for_sm90
+
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = {torch.bfloat16: {"atol": 1e-2, "rtol": 2**-7}, torch.float16: {"atol": 1e-3, "rtol": 2**-10},
              torch.float32: {"atol": 1e-5, "rtol": 1e-5}}
@@ -181,22 +183,13 @@ def test_num_splits_rule():
 def test_gpu_branches_compile_for_hopper():
     """The interpreter runs the kernels' EMULATE branches; this compiles the GPU branches (tensor-core
     dots, hardware casts, the software-pipelined loop) for sm_90 with Triton's bundled ptxas, no GPU."""
-    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton")
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from jetrl.engine.kernels import decode_attention_triton as kernels
 
     def compile_sm90(fn, constexprs, pointers):
-        def arg_type(name):
-            if name in constexprs:
-                return "constexpr"
-            return pointers.get(name, "*fp32") if name.endswith("_ptr") else "fp32" if name == "qk_scale" else "i32"
-
-        signature = {name: arg_type(name) for name in fn.arg_names}
-        options = {"num_warps": 4, "num_stages": 2}
-        return triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
+        return compile_for_sm90(fn, constexprs, pointers, floats=("qk_scale",))
 
     for is_fp8, num_splits, scale_out in ((False, 1, False), (True, 4, False), (True, 2, True)):
         cache = "*u8" if is_fp8 else "*bf16"

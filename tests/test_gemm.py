@@ -112,8 +112,9 @@ def test_bad_operands_get_clear_errors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n, k", [(1, 4096, 4096), (256, 1536, 576), (8192, 4096, 4096)])
 @pytest.mark.parametrize("b_block", [(128, 128), (1, 128)])
-def test_scaled_mm_agrees_with_emulation(m, n, k, b_block):
-    a = quantize(torch.randn(m, k, device="cuda"))
+@pytest.mark.parametrize("col_major", [False, True])
+def test_scaled_mm_agrees_with_emulation(m, n, k, b_block, col_major):
+    a = quantize(torch.randn(m, k, device="cuda"), col_major_scales=col_major)
     b = quantize(torch.randn(n, k, device="cuda") * 0.02, b_block)
     with override_backend("scaled_mm"):
         fast = fp8_gemm(a, b, torch.float32)

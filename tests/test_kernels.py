@@ -13,6 +13,8 @@ import pytest
 
 pytest.importorskip("triton")
 
+from .conftest import compile_for_sm90  # noqa: E402 -- after the skip: needs Triton
+
 SCRIPT = r"""
 import torch
 from jetrl.fp8.quant import quantize_reference
@@ -70,12 +72,22 @@ for width in (16, 64):
     c, s = quantize_triton(x, 1, width, False)
     rc, rs = quantize_reference(x, 1, width, False)
     assert torch.equal(bits(c), bits(rc)) and torch.equal(bits(s), bits(rs)), width
-# small-M split-K GEMM vs the emulated spec: M=1 and partial M/N/K, with and without split-K
+# column-major scales (what cuBLAS's A operand takes): the same values, written in that layout
+x = torch.randn(70, 300)
+c, s = quantize_triton(x, 1, 128, False, col_major_scales=True)
+rc, rs = quantize_reference(x, 1, 128, False)
+assert s.stride() == (1, 70) and torch.equal(bits(c), bits(rc)) and torch.equal(s, rs)
+q = quantize(x, col_major_scales=True)
+assert q.scales.stride() == (1, 70) and torch.equal(q.scales, rs)
+# small-M split-K GEMM vs the emulated spec: M=1 and partial M/N/K, with and without split-K, and
+# with the activation scales row- or column-major
 for m, n, k, cfg in [(1, 256, 384, None), (20, 200, 300, SmallMConfig(16, 64, 2)), (33, 128, 640, SmallMConfig(32, 64, 4))]:
-    a, b = quantize(torch.randn(m, k)), quantize(torch.randn(n, k) * 0.05, (128, 128))
-    ref = gemm_emulated(a, b, torch.float32)
-    out = gemm_small_m(a.codes, a.scales, b.codes, b.scales, torch.float32, cfg)
-    assert out.shape == (m, n) and float((out - ref).norm() / ref.norm()) < 1e-5, (m, n, k)
+    for col_major in (False, True):
+        a = quantize(torch.randn(m, k), col_major_scales=col_major)
+        b = quantize(torch.randn(n, k) * 0.05, (128, 128))
+        ref = gemm_emulated(a, b, torch.float32)
+        out = gemm_small_m(a.codes, a.scales, b.codes, b.scales, torch.float32, cfg)
+        assert out.shape == (m, n) and float((out - ref).norm() / ref.norm()) < 1e-5, (m, n, k, col_major)
 # the dispatcher routes to it, and quantize_with_transpose uses the fused kernel under the Triton backend
 with override_backend("triton"):
     a, b = quantize(torch.randn(4, 256)), quantize(torch.randn(128, 256), (128, 128))
@@ -92,3 +104,37 @@ def test_dual_quant_and_small_m_gemm_match_references_in_interpreter():
     proc = subprocess.run([sys.executable, "-c", DUAL_AND_GEMM_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr[-3000:]
+
+
+def test_gpu_paths_compile_for_hopper():
+    """The interpreter runs the EMULATE branches; this compiles the GPU paths (hardware casts, FP8 tensor-core
+    dots, both scale layouts' strided stores) of the quantizer, the small-M GEMM, the K/V store and the fused
+    model kernels for sm_90, no GPU needed."""
+    pytest.importorskip("triton")
+    import triton.language as tl
+
+    from jetrl.engine.kernels import kv_store_triton
+    from jetrl.fp8.kernels import gemm_triton, quant_triton
+    from jetrl.models.kernels import fused_triton
+
+    quant = compile_for_sm90(quant_triton._quantize_kernel,
+                             {"GROUP_ROWS": 1, "GROUP_COLS": 128, "TILE_R": 32, "POW2": False, "EXPLICIT_ROUND": False},
+                             {"x_ptr": "*bf16", "codes_ptr": "*u8"})
+    assert "cvt.rn.satfinite.e4m3x2.f32" in quant.asm["ptx"]
+    gemm = compile_for_sm90(gemm_triton._gemm_small_m_kernel,
+                            {"GROUPS_PER_SPLIT": 8, "SPLIT_K": 4, "BLOCK_M": 16, "BLOCK_N": 64},
+                            {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "out_ptr": "*bf16", "count_ptr": "*i32"})
+    assert gemm.asm["cubin"]
+    for fp8 in (False, True):
+        cache = "*u8" if fp8 else "*bf16"
+        store = compile_for_sm90(kv_store_triton._store_kv_kernel,
+                                 {"D": 128, "BLOCK_H": 8, "FP8": fp8, "POW2": False, "EXPLICIT_ROUND": False},
+                                 {"k_ptr": "*bf16", "v_ptr": "*bf16", "lengths_ptr": "*i64", "ck_ptr": cache,
+                                  "cv_ptr": cache})
+        assert store.asm["cubin"]
+    bf16 = {"X_DTYPE": tl.bfloat16, "OUT_DTYPE": tl.bfloat16, "EMULATE": False}
+    norm = compile_for_sm90(fused_triton._rms_norm_kernel, {"BLOCK_R": 1, "BLOCK_C": 4096, **bf16},
+                            {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"}, floats=("eps",))
+    silu = compile_for_sm90(fused_triton._silu_mul_kernel, {"BLOCK": 1024, "DTYPE": tl.bfloat16, "EMULATE": False},
+                            {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*bf16"})
+    assert norm.asm["cubin"] and silu.asm["cubin"]

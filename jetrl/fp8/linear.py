@@ -163,9 +163,11 @@ class Float8Linear(nn.Linear):
         x2d = x.reshape(-1, self.in_features)
         if not torch.is_grad_enabled():  # inference: no Function; siblings share the input's quantization
             def x_q() -> Float8Blocks:
+                # column-major scales on CUDA: what cuBLAS's block-scaled GEMM reads (no copy before it)
                 return _last_input.get(x, spec.input, lambda: quantize(x2d, spec.input.block,
                                                                        pow2_scale=spec.input.pow2_scale,
-                                                                       name=f"{self.fqn}.input"))
+                                                                       name=f"{self.fqn}.input",
+                                                                       col_major_scales=x2d.is_cuda))
 
             group = self.projection_group
             if group is not None and group.applies(x, spec):

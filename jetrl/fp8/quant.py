@@ -147,13 +147,22 @@ def quantize(
     pow2_scale: bool = False,
     check_finite: bool = False,
     name: str = "tensor",
+    col_major_scales: bool = False,
 ) -> Float8Blocks:
     """Quantize a 2-D tensor to block-scaled E4M3 with the formula in the module docstring.
 
     ``name`` is used in error messages only (e.g. ``"model.layers.0.mlp.up_proj.weight"``).
+    ``col_major_scales`` returns the same scales laid out column-major, as cuBLAS's block-scaled GEMM
+    reads its A operand's (the Triton kernel writes them so; other backends transpose).
     """
     _validate(x, block, name)
-    codes, scales = _implementation(x.device, tuple(block))(x, block[0], block[1], pow2_scale)
+    impl = _implementation(x.device, tuple(block))
+    if col_major_scales and impl is _impls.get("triton"):
+        codes, scales = impl(x, block[0], block[1], pow2_scale, col_major_scales=True)
+    else:
+        codes, scales = impl(x, block[0], block[1], pow2_scale)
+        if col_major_scales:
+            scales = scales.t().contiguous().t()
     return _finish(Float8Blocks(codes, scales, tuple(block)), check_finite, name)
 
 

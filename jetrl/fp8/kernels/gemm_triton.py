@@ -59,7 +59,7 @@ def small_m_config(m: int, n: int, k: int) -> SmallMConfig:
 @triton.jit
 def _gemm_small_m_kernel(
     a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, work_ptr, count_ptr,
-    M, N, K, stride_am, stride_bn, stride_sam, stride_sbn, stride_om,
+    M, N, K, stride_am, stride_bn, stride_sam, stride_sak, stride_sbn, stride_om,
     GROUPS_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -76,7 +76,7 @@ def _gemm_small_m_kernel(
         a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptr + cols[:, None] * stride_bn + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         group_ok = g * 128 < K
-        sa = tl.load(sa_ptr + rows * stride_sam + g, mask=row_ok & group_ok, other=0.0)
+        sa = tl.load(sa_ptr + rows * stride_sam + g * stride_sak, mask=row_ok & group_ok, other=0.0)
         sb = tl.load(sb_ptr + (cols // 128) * stride_sbn + g, mask=col_ok & group_ok, other=0.0)
         partial = tl.dot(a, tl.trans(b), out_dtype=tl.float32)  # (BLOCK_M, BLOCK_N), exact products
         acc += partial * sa[:, None] * sb[None, :]
@@ -139,7 +139,7 @@ def gemm_small_m(
     n = b_codes.shape[0]
     assert b_codes.shape[1] == k and a_codes.stride(1) == 1 and b_codes.stride(1) == 1, (a_codes.shape, b_codes.shape)
     assert a_scales.shape == (m, triton.cdiv(k, 128)) and b_scales.shape == (triton.cdiv(n, 128), triton.cdiv(k, 128))
-    assert a_scales.stride(1) == 1 and b_scales.stride(1) == 1
+    assert b_scales.stride(1) == 1  # a_scales may be row- or column-major (quantize(col_major_scales=...))
     cfg = config or small_m_config(m, n, k)
     groups_per_split = triton.cdiv(triton.cdiv(k, 128), cfg.split_k)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), cfg.split_k)
@@ -154,7 +154,8 @@ def gemm_small_m(
         work = counters = out  # unused
     _gemm_small_m_kernel[grid](
         a_codes, a_scales, b_codes, b_scales, out, work, counters,
-        m, n, k, a_codes.stride(0), b_codes.stride(0), a_scales.stride(0), b_scales.stride(0), out.stride(0),
+        m, n, k, a_codes.stride(0), b_codes.stride(0), a_scales.stride(0), a_scales.stride(1), b_scales.stride(0),
+        out.stride(0),
         GROUPS_PER_SPLIT=groups_per_split, SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

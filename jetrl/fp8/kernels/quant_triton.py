@@ -109,7 +109,7 @@ def _amax(x, axis: tl.constexpr):
 @triton.jit
 def _quantize_kernel(
     x_ptr, codes_ptr, scales_ptr,
-    R, C, stride_xr, stride_xc, num_col_groups,
+    R, C, stride_xr, stride_xc, stride_sr, stride_sc,
     GROUP_ROWS: tl.constexpr, GROUP_COLS: tl.constexpr, TILE_R: tl.constexpr, POW2: tl.constexpr,
     EXPLICIT_ROUND: tl.constexpr,
 ):
@@ -129,9 +129,9 @@ def _quantize_kernel(
         code_bits = _code_bits(x * reciprocal, scale != scale, EXPLICIT_ROUND)
     tl.store(codes_ptr + rows[:, None] * C + cols[None, :], code_bits, mask=mask)
     if GROUP_ROWS == 1:
-        tl.store(scales_ptr + rows * num_col_groups + pid_c, scale, mask=rows < R)
+        tl.store(scales_ptr + rows * stride_sr + pid_c * stride_sc, scale, mask=rows < R)
     else:
-        tl.store(scales_ptr + pid_r * num_col_groups + pid_c, scale)
+        tl.store(scales_ptr + pid_r * stride_sr + pid_c * stride_sc, scale)
 
 
 def explicit_round() -> bool:
@@ -140,21 +140,27 @@ def explicit_round() -> bool:
 
 
 def quantize_triton(
-    x: torch.Tensor, br: int, bc: int, pow2_scale: bool, *, tile_rows: int | None = None, num_warps: int | None = None
+    x: torch.Tensor, br: int, bc: int, pow2_scale: bool, *, tile_rows: int | None = None, num_warps: int | None = None,
+    col_major_scales: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same signature and result as ``quantize_reference``: (codes (R, C), scales (R/br, C/bc)).
 
     ``tile_rows`` / ``num_warps`` exist for the bench's tile sweep (1xGC groups only).
+    ``col_major_scales`` writes the scales column-major (strides (1, R/br)), the layout cuBLAS's
+    block-scaled GEMM takes for its A operand, so no transposing copy is needed before the GEMM.
     """
     assert x.dim() == 2 and ((br, bc) == (128, 128) or (br == 1 and bc in GROUP_WIDTHS)), (x.shape, br, bc)
     rows, cols = x.shape
     num_row_groups, num_col_groups = triton.cdiv(rows, br), triton.cdiv(cols, bc)
     codes = torch.empty((rows, cols), dtype=E4M3, device=x.device)
-    scales = torch.empty((num_row_groups, num_col_groups), dtype=torch.float32, device=x.device)
+    if col_major_scales:
+        scales = torch.empty((num_col_groups, num_row_groups), dtype=torch.float32, device=x.device).t()
+    else:
+        scales = torch.empty((num_row_groups, num_col_groups), dtype=torch.float32, device=x.device)
     tile_r = 128 if br == 128 else (tile_rows or max(32, 4096 // bc))
     grid = (num_col_groups, triton.cdiv(rows, tile_r))
     _quantize_kernel[grid](
-        x, codes.view(torch.uint8), scales, rows, cols, x.stride(0), x.stride(1), num_col_groups,
+        x, codes.view(torch.uint8), scales, rows, cols, x.stride(0), x.stride(1), scales.stride(0), scales.stride(1),
         GROUP_ROWS=br, GROUP_COLS=bc, TILE_R=tile_r, POW2=pow2_scale, EXPLICIT_ROUND=explicit_round(), num_warps=num_warps or (8 if br == 128 else 4),
     )
     return codes, scales
