@@ -21,20 +21,16 @@ from jetrl.fp8.recipe import KVCacheSpec
 torch.manual_seed(0)
 layers, slots, Hkv, S, D, B = 2, 6, 2, 9, 64, 4
 for spec in (None, KVCacheSpec(False), KVCacheSpec(True)):
-    caches = []
-    for fused in (True, False):
-        cache = StaticKVCache(layers, slots, Hkv, S, D, torch.bfloat16, "cpu", spec)
-        cache.use_decode_kernel = fused
-        caches.append(cache)
+    caches = [StaticKVCache(layers, slots, Hkv, S, D, torch.bfloat16, "cpu", spec) for _ in range(2)]
     lengths = torch.tensor([0, 5, 8, 3, 7, 2])
     k = (torch.randn(B, Hkv, 1, D) * 3).bfloat16()
     v = torch.randn(B, 1, Hkv, D).bfloat16().transpose(1, 2)  # the model's strided view
     k[1, 0, 0, 5] = float("nan")
     v[2] = 0.0
-    for cache in caches:
+    for cache, fused in zip(caches, (True, False)):
         cache.lengths.copy_(lengths)
         view = cache.decode(B)
-        view._store(1, k, v) if cache.use_decode_kernel else view.store_reference(1, k, v)
+        view.store_fused(1, k, v) if fused else view.store_reference(1, k, v)
     fused, ref = caches
     for name in ("k", "v", "k_scale", "v_scale"):
         a, b = getattr(fused, name), getattr(ref, name)

@@ -83,16 +83,16 @@ def test_stacked_path_gives_the_separate_gemms_logits(monkeypatch):
         calls = []
         original = ProjectionGroup.output
 
-        def spy(self, member, x, x2d, quantize_input):
+        def spy(self, member, x, spec, quantize_input):
             calls.append(member.fqn)
-            return original(self, member, x, x2d, quantize_input)
+            return original(self, member, x, spec, quantize_input)
 
         monkeypatch.setattr(ProjectionGroup, "applies", lambda self, x, spec: not torch.is_grad_enabled())
         monkeypatch.setattr(ProjectionGroup, "output", spy)
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
         stacked = model(ids)
     assert len(calls) == 5 * CFG.num_hidden_layers
-    assert all(g._out is None for g in _groups(model).values())  # no output is held after the last member
+    assert all(g._memo._value is None for g in _groups(model).values())  # nothing held after the last member
     torch.testing.assert_close(stacked, separate, rtol=1e-5, atol=1e-5)
     # with autograd on, members run their own GEMMs (each has its own backward)
     calls.clear()

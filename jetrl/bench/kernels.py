@@ -319,13 +319,8 @@ def _stacking_row(cfg: BenchConfig, m: int, device: torch.device, graph: dict) -
     stacked = [torch.cat([weights["q"], weights["k"], weights["v"]]), torch.cat([weights["gate"], weights["up"]])]
     x = torch.randn(m, cfg.hidden, device=device, dtype=torch.bfloat16)
 
-    def fp8_module(w: torch.Tensor, name: str) -> Float8Linear:
-        linear = nn.Linear(cfg.hidden, w.shape[0], bias=False, device="meta")
-        linear.weight = nn.Parameter(w, requires_grad=False)
-        return Float8Linear.from_float(linear, get_recipe("jet"), name=f"bench.stacking.{name}")
-
-    separate_fp8 = [fp8_module(w, name) for name, w in weights.items()]  # no projection groups: five GEMMs
-    stacked_fp8 = [fp8_module(w, name) for w, name in zip(stacked, ("qkv", "gate_up"))]
+    separate_fp8 = [_jet_linear(w, f"stacking.{name}") for name, w in weights.items()]  # no groups: five GEMMs
+    stacked_fp8 = [_jet_linear(w, f"stacking.{name}") for w, name in zip(stacked, ("qkv", "gate_up"))]
 
     def run(fns: list) -> Any:
         return lambda: [fn(x) for fn in fns]
@@ -354,9 +349,14 @@ def _stacking_row(cfg: BenchConfig, m: int, device: torch.device, graph: dict) -
 def _decode_layer(name: str, n: int, k: int, device: torch.device) -> tuple[torch.Tensor, Float8Blocks, Float8Linear]:
     """A random (n, k) BF16 weight, its FP8 blocks and a ``jet`` Float8Linear on it."""
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
-    linear = nn.Linear(k, n, bias=False, device="meta")
+    return w, quantize(w, (128, 128)), _jet_linear(w, f"decode.{name}")
+
+
+def _jet_linear(w: torch.Tensor, name: str) -> Float8Linear:
+    """A bias-free ``jet`` Float8Linear on the frozen weight ``w`` (N, K)."""
+    linear = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
     linear.weight = nn.Parameter(w, requires_grad=False)
-    return w, quantize(w, (128, 128)), Float8Linear.from_float(linear, get_recipe("jet"), name=f"bench.decode.{name}")
+    return Float8Linear.from_float(linear, get_recipe("jet"), name=f"bench.{name}")
 
 
 def _in_turn(calls: list) -> Any:

@@ -51,8 +51,6 @@ kernel is tested against.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
@@ -232,16 +230,20 @@ class DecodeView:
             raise ValueError(
                 f"a decode step takes one token for each of {self.num_rows} rows, got k of shape {tuple(k.shape)}"
             )
-        kernel_device = k.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"  # CPU tensors: the interpreter only
-        if self.cache.use_decode_kernel and kernel_device and D & (D - 1) == 0 and k.stride(-1) == v.stride(-1) == 1:
-            from jetrl.engine.kernels.kv_store_triton import store_kv_triton  # lazy: Triton, GPU only
+        if self.cache.use_decode_kernel and k.is_cuda and D & (D - 1) == 0 and k.stride(-1) == v.stride(-1) == 1:
+            self.store_fused(layer_idx, k, v)
+        else:
+            self.store_reference(layer_idx, k, v)
 
-            cache, pow2 = self.cache, self.cache.kv_spec is not None and self.cache.kv_spec.pow2_scale
-            buffers = cache.storage(layer_idx)  # (k, v) or (k codes uint8, v codes uint8, k_scale, v_scale)
-            scales = (buffers[2][:B], buffers[3][:B]) if cache.is_fp8 else (None, None)
-            store_kv_triton(k, v, cache.lengths[:B], buffers[0][:B], buffers[1][:B], *scales, pow2)
-            return
-        self.store_reference(layer_idx, k, v)
+    def store_fused(self, layer_idx: int, k: Tensor, v: Tensor) -> None:
+        """The store as one Triton kernel (kernels/kv_store_triton.py; its spec is :meth:`store_reference`)."""
+        from jetrl.engine.kernels.kv_store_triton import store_kv_triton  # lazy: Triton
+
+        cache, B = self.cache, self.num_rows
+        pow2 = cache.kv_spec is not None and cache.kv_spec.pow2_scale
+        buffers = cache.storage(layer_idx)  # (k, v) or (k codes uint8, v codes uint8, k_scale, v_scale)
+        scales = (buffers[2][:B], buffers[3][:B]) if cache.is_fp8 else (None, None)
+        store_kv_triton(k, v, cache.lengths[:B], buffers[0][:B], buffers[1][:B], *scales, pow2)
 
     def store_reference(self, layer_idx: int, k: Tensor, v: Tensor) -> None:
         """The store in PyTorch ops (the spec of the fused kernel): ``encode``, then one ``scatter_`` per buffer."""

@@ -15,11 +15,10 @@ One ``autograd.Function`` holds the whole layer (y = x W^T; M tokens, K in, N ou
   in fp32 by the GEMM and returned in the master weight's dtype (BF16, or fp32 if chosen).
 * The bias is added outside the Function in high precision, by autograd.
 * Without autograd (the rollout, old-logprob passes) there is no Function, and sibling layers that
-  read the same input tensor -- q/k/v of one attention, gate/up of one MLP -- quantize it once:
-  the last quantization is kept with a weak reference to its input and the input's version
-  counter, so a hit is the same tensor object, unmodified, with the same spec (the codes are
-  those a fresh call would produce: the quantizer is deterministic). On CUDA such siblings also
-  run as one GEMM over their stacked weight codes (projection_group.py).
+  read the same input tensor -- q/k/v of one attention, gate/up of one MLP -- quantize it once
+  (input_memo.py: a hit is the same tensor object, unmodified, with the same spec; the codes are
+  those a fresh call would produce). On CUDA such siblings also run as one GEMM over their
+  stacked weight codes (projection_group.py).
 
 Which precision a call uses comes from the module's :class:`~jetrl.fp8.recipe.Recipe` and
 the current phase (``precision_phase("rollout")`` in the engine): under ``jet`` both phases
@@ -32,14 +31,12 @@ Why not a tensor subclass: one Function is enough, and keeps the data flow reada
 
 from __future__ import annotations
 
-import threading
-import weakref
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from jetrl.fp8.gemm import fp8_gemm
+from jetrl.fp8.input_memo import InputMemo
 from jetrl.fp8.quant import BLOCK, Float8Blocks, quantize, quantize_with_transpose
 from jetrl.fp8.recipe import LinearPrecision, QuantSpec, Recipe, current_phase
 from jetrl.fp8.weight_cache import WeightCache
@@ -93,31 +90,7 @@ def _quantize_both(t: torch.Tensor, rows: QuantSpec, tokens: QuantSpec, name: st
             quantize(t.t(), tokens.block, pow2_scale=tokens.pow2_scale, name=f"{name}_t"))
 
 
-class _LastInputQuant(threading.local):
-    """The last input quantized without autograd, for sibling layers that read the same tensor.
-
-    A hit needs the same tensor *object* (a weak reference: a freed tensor never matches, even if
-    a new one reuses its memory), the same version counter (no in-place change since), the same
-    spec, and the same CUDA-graph capture state (a graph never reads a quantization made outside it).
-    """
-
-    def __init__(self) -> None:
-        self.key: tuple | None = None
-        self.ref: weakref.ref | None = None
-        self.value: Float8Blocks | None = None
-
-    def get(self, x: torch.Tensor, spec: QuantSpec, make) -> Float8Blocks:
-        if x.is_inference():  # torch.inference_mode: no version counter to prove a hit, so no reuse
-            return make()
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        key = (x._version, spec, capturing)
-        if self.ref is not None and self.ref() is x and self.key == key:
-            return self.value
-        self.ref, self.key, self.value = weakref.ref(x), key, make()
-        return self.value
-
-
-_last_input = _LastInputQuant()
+_last_input = InputMemo()  # the last activation quantized without autograd, for sibling layers
 
 
 class Float8Linear(nn.Linear):
@@ -171,7 +144,7 @@ class Float8Linear(nn.Linear):
 
             group = self.projection_group
             if group is not None and group.applies(x, spec):
-                y = group.output(self, x, x2d, x_q)  # a column slice of the siblings' stacked GEMM
+                y = group.output(self, x, spec, x_q)  # a column slice of the siblings' stacked GEMM
             else:
                 y = fp8_gemm(x_q(), self.weight_cache.get(self.weight, spec.weight), out_dtype=x2d.dtype)
             y = y.view(*x.shape[:-1], self.out_features)

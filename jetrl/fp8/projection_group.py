@@ -24,23 +24,23 @@ When: only without autograd (rollout, old-logprob passes), on CUDA, when every m
 ``Float8Linear`` of the same recipe and input size with N a multiple of 128. Training keeps
 separate GEMMs (each member's backward is its own), and the CPU keeps them too, so the CPU's
 trainer/engine bit-exactness is untouched. The first member called computes the stacked output
-for an input tensor; the others return their column slice of it (a weak reference to the input
-and its version counter make the hit exact, as for the shared input quantization in linear.py).
+for an input tensor; the others return their column slice of it (input_memo.py makes the hit exact,
+as for the shared input quantization in linear.py).
 The group lets go of the stacked output once every member has taken its slice, so no group keeps a
 prefill-sized activation alive between calls.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from jetrl.fp8.gemm import fp8_gemm
+from jetrl.fp8.input_memo import InputMemo
 from jetrl.fp8.quant import BLOCK, E4M3, Float8Blocks
-from jetrl.fp8.recipe import QuantSpec
+from jetrl.fp8.recipe import LinearPrecision, QuantSpec
 
 if TYPE_CHECKING:
     from jetrl.fp8.linear import Float8Linear
@@ -60,9 +60,7 @@ class ProjectionGroup:
         self.out_features = total
         self._stacked: Float8Blocks | None = None
         self._views: list[Float8Blocks] = []
-        self._ref: weakref.ref | None = None
-        self._key: tuple | None = None
-        self._out: torch.Tensor | None = None
+        self._memo = InputMemo()  # the stacked output for the current input
         self._unread: set[int] = set()
 
     @staticmethod
@@ -75,28 +73,25 @@ class ProjectionGroup:
         return all(m.recipe == first.recipe and m.in_features == first.in_features and m.out_features % BLOCK == 0
                    for m in members)
 
-    def applies(self, x: torch.Tensor, spec) -> bool:
+    def applies(self, x: torch.Tensor, spec: LinearPrecision) -> bool:
         """Whether this call may take the stacked path: CUDA, no autograd, the members' weight spec 128x128,
         and an input with a version counter (not a ``torch.inference_mode`` tensor)."""
         return (x.is_cuda and not torch.is_grad_enabled() and not x.is_inference()
                 and spec.weight.block == (BLOCK, BLOCK))
 
-    def output(self, member: Float8Linear, x: torch.Tensor, x2d: torch.Tensor, quantize_input) -> torch.Tensor:
+    def output(self, member: Float8Linear, x: torch.Tensor, spec: LinearPrecision, quantize_input) -> torch.Tensor:
         """``member``'s (M, n) output: a column slice of the stacked GEMM of ``x`` (computed once per input)."""
-        spec = member.precision()
-        capturing = torch.cuda.is_current_stream_capturing()
-        key = (x._version, spec, capturing)
-        if self._ref is None or self._ref() is not x or self._key != key:
-            weight = self.stacked_weight(spec.weight)
-            self._out = fp8_gemm(quantize_input(), weight, out_dtype=x2d.dtype)
-            self._ref, self._key, self._unread = weakref.ref(x), key, set(range(len(self.members)))
+
+        def stacked_gemm() -> torch.Tensor:
+            self._unread = set(range(len(self.members)))
+            return fp8_gemm(quantize_input(), self.stacked_weight(spec.weight), out_dtype=x.dtype)
+
+        out = self._memo.get(x, spec, stacked_gemm)
         index = self.members.index(member)
-        start = self.offsets[index]
-        out = self._out[:, start:start + member.out_features]
         self._unread.discard(index)
         if not self._unread:  # every member has its slice: hold no reference to a (prefill-sized) output
-            self._out = self._ref = self._key = None
-        return out
+            self._memo.clear()
+        return out[:, self.offsets[index]:self.offsets[index] + member.out_features]
 
     def stacked_weight(self, spec: QuantSpec) -> Float8Blocks:
         """The members' current FP8 weights, stacked along N, with no copy (module docstring)."""

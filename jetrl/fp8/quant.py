@@ -153,16 +153,11 @@ def quantize(
 
     ``name`` is used in error messages only (e.g. ``"model.layers.0.mlp.up_proj.weight"``).
     ``col_major_scales`` returns the same scales laid out column-major, as cuBLAS's block-scaled GEMM
-    reads its A operand's (the Triton kernel writes them so; other backends transpose).
+    reads its A operand's (so no transposing copy is needed before it).
     """
     _validate(x, block, name)
     impl = _implementation(x.device, tuple(block))
-    if col_major_scales and impl is _impls.get("triton"):
-        codes, scales = impl(x, block[0], block[1], pow2_scale, col_major_scales=True)
-    else:
-        codes, scales = impl(x, block[0], block[1], pow2_scale)
-        if col_major_scales:
-            scales = scales.t().contiguous().t()
+    codes, scales = impl(x, block[0], block[1], pow2_scale, col_major_scales=col_major_scales)
     return _finish(Float8Blocks(codes, scales, tuple(block)), check_finite, name)
 
 
@@ -196,8 +191,12 @@ def _finish(out: Float8Blocks, check_finite: bool, name: str) -> Float8Blocks:
     return out
 
 
-def quantize_reference(x: torch.Tensor, br: int, bc: int, pow2_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The spec, in plain PyTorch: (codes, scales) of ``x`` (R, C) in (br, bc) blocks."""
+def quantize_reference(x: torch.Tensor, br: int, bc: int, pow2_scale: bool, *, col_major_scales: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec, in plain PyTorch: (codes, scales) of ``x`` (R, C) in (br, bc) blocks.
+
+    ``col_major_scales`` lays the same scales out column-major (see :func:`quantize`).
+    """
     rows, cols = x.shape
     xf = x.float().contiguous()  # row-major codes even for a transposed view (the wgrad operand)
     pad_rows, pad_cols = -rows % br, -cols % bc
@@ -211,6 +210,8 @@ def quantize_reference(x: torch.Tensor, br: int, bc: int, pow2_scale: bool) -> t
     # a non-finite block is all canonical +NaN (code 0x7F) whatever the sign of its NaN/Inf
     y = torch.where(torch.isnan(scales)[:, None, :, None], torch.full_like(y, float("nan")), y)
     codes = y.to(E4M3).view(xf.shape)[:rows, :cols]
+    if col_major_scales:
+        scales = scales.t().contiguous().t()
     return (codes.contiguous() if pad_rows or pad_cols else codes), scales
 
 
