@@ -35,6 +35,15 @@ P = hi + lo (both in the model dtype; P - hi is exact in fp32), two tensor-core 
 keep ~16 bits of each probability instead of the 8 of a plain BF16 cast. fp32 models use IEEE
 fp32 dots. The dequantization rounds to the model dtype with the hardware RNE cast on the GPU.
 
+FP8 cost (H200, B = 256, mean context 640, docs/benchmarks.md): the FP8 loop takes ~185 µs against
+~165 µs for the BF16 one, while the BF16 loop over the same bytes (half the context) takes ~90 µs, so
+it is bound by turning the codes into tensor-core operands, not by HBM. V is the hard operand: its
+reduction axis (positions) is not contiguous, and there is no 8-bit ldmatrix.trans, so Triton moves
+it through shared memory byte by byte. Measured and dropped: fp16 codes with the scales outside the
+dots, E4M3 tensor-core dots (q and P split into E4M3 terms; Triton upcasts to fp16 at 16 rows and
+pads to 64 rows for wgmma), a transposed V cache, and length masks loosened for vectorized loads --
+all as fast or slower.
+
 Interpreter (TRITON_INTERPRET=1, the CPU tests): its tl.dot multiplies the raw uint16 storage of
 bf16 operands and its fp32 -> bf16 cast truncates, so with EMULATE the dots are taken in IEEE
 fp32 on the same (exactly upcast) operands and the bf16 rounding is done on the fp32 bits. Same
@@ -72,49 +81,36 @@ def _dot(a, b, EMULATE: tl.constexpr):
 
 @triton.jit
 def _load_kv(row_ptr, scale_row_ptr, pos, offs_d, stride_s, stride_d, stride_scale, s_mask, d_mask,
-             DTYPE: tl.constexpr, IS_FP8: tl.constexpr, SCALE_OUT: tl.constexpr, EMULATE: tl.constexpr):
-    """A (BLOCK_S, BLOCK_D) tile of K or V in DTYPE, masked (stale or padded) entries 0, and the tile's
-    per-position scales (BLOCK_S,) when SCALE_OUT (then the tile holds the bare codes, exact in DTYPE)."""
+             DTYPE: tl.constexpr, IS_FP8: tl.constexpr, EMULATE: tl.constexpr):
+    """A (BLOCK_S, BLOCK_D) tile of K or V in DTYPE, masked (stale or padded) entries 0."""
     x = tl.load(row_ptr + pos[:, None] * stride_s + offs_d[None, :] * stride_d,
                 mask=s_mask[:, None] & d_mask[None, :], other=0)
-    scale = tl.zeros_like(pos).to(tl.float32)
     if IS_FP8:  # uint8 codes -> e4m3 -> fp32, times the token's scale, one rounding (kv_quant.dequantize_kv)
         scale = tl.load(scale_row_ptr + pos * stride_scale, mask=s_mask, other=0.0)
         codes = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        if SCALE_OUT:
-            x = round_to(codes, DTYPE, EMULATE)  # exact: an E4M3 value fits bf16/fp16/fp32
-        else:
-            x = round_to(codes * scale[:, None], DTYPE, EMULATE)
-    return x, scale
+        x = round_to(codes * scale[:, None], DTYPE, EMULATE)
+    return x
 
 
 @triton.jit
 def _attend_tile(q, m, l, acc, tile_start, end, offs_s, offs_d, d_mask, qk_scale,
                  k_row, ks_row, stride_ks, stride_kd, stride_kss, v_row, vs_row, stride_vs, stride_vd, stride_vss,
-                 DTYPE: tl.constexpr, IS_FP8: tl.constexpr, SCALE_OUT: tl.constexpr, EMULATE: tl.constexpr):
+                 DTYPE: tl.constexpr, IS_FP8: tl.constexpr, EMULATE: tl.constexpr):
     """One BLOCK_S tile of the online softmax: returns the updated (m, l, acc)."""
     pos = tile_start + offs_s
     s_mask = pos < end
-    k, k_scale = _load_kv(k_row, ks_row, pos, offs_d, stride_ks, stride_kd, stride_kss, s_mask, d_mask, DTYPE,
-                          IS_FP8, SCALE_OUT, EMULATE)
-    if SCALE_OUT:  # q . (c_j s_j) = s_j (q . c_j): one multiply per position instead of per element
-        t = _dot(q, tl.trans(k), EMULATE) * (k_scale * qk_scale)[None, :]
-    else:
-        t = _dot(q, tl.trans(k), EMULATE) * qk_scale  # (BLOCK_G, BLOCK_S) base-2 logits
+    k = _load_kv(k_row, ks_row, pos, offs_d, stride_ks, stride_kd, stride_kss, s_mask, d_mask, DTYPE, IS_FP8, EMULATE)
+    t = _dot(q, tl.trans(k), EMULATE) * qk_scale  # (BLOCK_G, BLOCK_S) base-2 logits
     t = tl.where(s_mask[None, :], t, float("-inf"))
     m_new = tl.maximum(m, tl.max(t, axis=1))  # finite: every tile holds a valid position
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(t - m_new[:, None])
-    v, v_scale = _load_kv(v_row, vs_row, pos, offs_d, stride_vs, stride_vd, stride_vss, s_mask, d_mask, DTYPE,
-                          IS_FP8, SCALE_OUT, EMULATE)
-    pw = p
-    if SCALE_OUT:
-        pw = p * v_scale[None, :]  # sum_j p_j (c_j s_j) = sum_j (p_j s_j) c_j
+    v = _load_kv(v_row, vs_row, pos, offs_d, stride_vs, stride_vd, stride_vss, s_mask, d_mask, DTYPE, IS_FP8, EMULATE)
     if DTYPE == tl.float32:
-        pv = _dot(pw, v, EMULATE)
-    else:  # pw = hi + lo, both in DTYPE; pw - hi is exact in fp32 (module docstring)
-        p_hi = pw.to(DTYPE)
-        p_lo = (pw - p_hi.to(tl.float32)).to(DTYPE)
+        pv = _dot(p, v, EMULATE)
+    else:  # p = hi + lo, both in DTYPE; p - hi is exact in fp32 (module docstring)
+        p_hi = p.to(DTYPE)
+        p_lo = (p - p_hi.to(tl.float32)).to(DTYPE)
         pv = _dot(p_hi, v, EMULATE) + _dot(p_lo, v, EMULATE)
     return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
 
@@ -136,7 +132,7 @@ def _decode_attention_kernel(
     stride_vsb, stride_vsh, stride_vss,
     stride_ob, stride_oh, stride_od,
     G: tl.constexpr, DTYPE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr, SCALE_OUT: tl.constexpr, EMULATE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr, EMULATE: tl.constexpr,
 ):
     pid, split = tl.program_id(0), tl.program_id(1)
     b = (pid // num_kv_heads).to(tl.int64)  # int64: b * stride_kb can pass 2^31 on a large cache
@@ -166,14 +162,14 @@ def _decode_attention_kernel(
             m, l, acc = _attend_tile(q, m, l, acc, tile_start, end, offs_s, offs_d, d_mask, qk_scale,
                                      k_row, ks_row, stride_ks, stride_kd, stride_kss,
                                      v_row, vs_row, stride_vs, stride_vd, stride_vss,
-                                     DTYPE, IS_FP8, SCALE_OUT, EMULATE)
+                                     DTYPE, IS_FP8, EMULATE)
             tile_start += BLOCK_S
     else:  # a for loop, so that Triton software-pipelines the K/V loads (num_stages)
         for tile_start in range(start, end, BLOCK_S):
             m, l, acc = _attend_tile(q, m, l, acc, tile_start, end, offs_s, offs_d, d_mask, qk_scale,
                                      k_row, ks_row, stride_ks, stride_kd, stride_kss,
                                      v_row, vs_row, stride_vs, stride_vd, stride_vss,
-                                     DTYPE, IS_FP8, SCALE_OUT, EMULATE)
+                                     DTYPE, IS_FP8, EMULATE)
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
@@ -234,29 +230,24 @@ def decode_attention_triton(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
     sm_scale: float | None = None,
-    block_s: int = 64,
+    block_s: int | None = None,
     num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
-    fp8_scales_outside: bool = False,
 ) -> torch.Tensor:
     """Same signature and result as ``decode_attention_reference``: (B, H, D) in q.dtype.
 
     ``block_s``, ``num_splits`` (None: :func:`choose_num_splits`), ``num_warps`` and ``num_stages``
-    exist for the bench's sweep. Inputs are validated by the public ``decode_attention``.
-
-    ``fp8_scales_outside`` (FP8 cache; not yet the default, the bench times both): the dots take
-    the bare E4M3 codes (exact in the model dtype) and the per-token scales multiply the logits
-    (K) and the probabilities (V) instead of every element: ``q . (c s) = s (q . c)``. The
-    per-element dequantization is what bounds the FP8 loop (module docstring). Exactly the
-    reference's values with power-of-two scales; otherwise it skips the reference's rounding of
-    ``c * s`` to the model dtype, the difference kv_quant.py allows a fused kernel.
+    exist for the bench's sweep. Inputs are validated by the public ``decode_attention``. The default
+    ``block_s`` is the sweep's best on the H200: 32 positions for a BF16 cache (5-10% faster than 64
+    at 4K context, even at 640), 64 for an FP8 one.
     """
     B, H, D = q.shape
     _, Hkv, S, _ = k.shape
     is_fp8 = k.dtype == E4M3
     assert k.shape == v.shape == (B, Hkv, S, D) and H % Hkv == 0, (q.shape, k.shape, v.shape)
     assert k.dtype == v.dtype and (is_fp8 or k.dtype == q.dtype) and (k_scales is not None) == is_fp8
+    block_s = block_s or (64 if is_fp8 else 32)
     assert block_s >= 16 and block_s & (block_s - 1) == 0, block_s
     sm_scale = D**-0.5 if sm_scale is None else sm_scale
     if num_splits is None:
@@ -283,7 +274,7 @@ def decode_attention_triton(
         Hkv, S, D, sm_scale * LOG2E, lengths.stride(0),
         *q.stride(), *k.stride(), *v.stride(), *ks_strides, *vs_strides, *out.stride(),
         G=G, DTYPE=dtype, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_S=block_s, BLOCK_D=block_d,
-        NUM_SPLITS=num_splits, IS_FP8=is_fp8, SCALE_OUT=is_fp8 and fp8_scales_outside, EMULATE=_EMULATE,
+        NUM_SPLITS=num_splits, IS_FP8=is_fp8, EMULATE=_EMULATE,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
