@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from jetrl.fp8 import Float8Linear, get_recipe
 from jetrl.fp8.gemm import _scaled_mm, gemm_emulated
 from jetrl.fp8.kernels.gemm_triton import SmallMConfig, gemm_small_m
-from jetrl.fp8.kernels.quant_triton import quantize_triton
+from jetrl.fp8.kernels.quant_triton import quantize_dual_triton, quantize_triton
 from jetrl.fp8.quant import quantize, quantize_reference
 
 
@@ -77,13 +77,20 @@ def main() -> None:
     y = torch.empty_like(x)
     nb = x.numel() * 2
     res["copy_tb_s"] = 2 * nb / t_loop(lambda: y.copy_(x)) / 1e9
+    want = (*quantize_reference(x, 1, 128, False), *quantize_reference(x.t(), 1, 128, False))
     w = torch.randn(12288, 4096, device=DEV, dtype=torch.bfloat16)
     wref = quantize_reference(w, 128, 128, False)
     kv = torch.randn(256 * 8 * 4, 128, device=DEV, dtype=torch.bfloat16)
     for mode in ("0", "1"):
         os.environ["JETRL_QUANT_EXPLICIT_ROUND"] = mode
+        got = quantize_dual_triton(x, False)
+        res[f"dual_equal_explicit{mode}"] = all(torch.equal(bits(g), bits(w_)) for g, w_ in zip(got, want))
         gw = quantize_triton(w, 128, 128, False)
         res[f"w_equal_explicit{mode}"] = all(torch.equal(bits(g), bits(w_)) for g, w_ in zip(gw, wref))
+        for nw in (4, 8):
+            res[f"dual_tb_s_e{mode}_w{nw}"] = (
+                2 * nb / t_loop(lambda: quantize_dual_triton(x, False, num_warps=nw)) / 1e9
+            )
         for tr in (8, 16, 32, 64):
             for nw in (2, 4, 8):
                 res[f"row_tb_s_e{mode}_tr{tr}_w{nw}"] = (

@@ -56,7 +56,7 @@ def test_smoke_json_layout_and_targets(smoke_run):
     assert targeted == set(SECTIONS)  # every section puts a target next to a measured ratio
     assert all(t["met"] is None for t in data["summary"]["targets"])  # CPU timings are never judged
     rows = {key: section["rows"] for key, section in data["sections"].items()}
-    assert any(r["name"].startswith("quant x + x.t()") for r in rows["a"])
+    assert any(r["name"].startswith("quant fused") for r in rows["a"])
     assert any("bf16 vs HF generate" in r["name"] for r in rows["e"])
     assert any("jet_kv/bf16" in r["name"] for r in rows["e"])  # the FP8-KV comparison, incl. long context
     for row in rows["b"] + rows["c"] + rows["f"] + rows["g"]:

@@ -49,13 +49,23 @@ import torch
 from jetrl.fp8 import override_backend
 from jetrl.fp8.gemm import fp8_gemm, gemm_emulated
 from jetrl.fp8.quant import quantize, quantize_reference, quantize_with_transpose
-from jetrl.fp8.kernels.quant_triton import quantize_triton
+from jetrl.fp8.kernels.quant_triton import quantize_dual_triton, quantize_triton
 from jetrl.fp8.kernels.gemm_triton import SmallMConfig, gemm_small_m
 
 def bits(t):
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.view(torch.int32)
 
 torch.manual_seed(0)
+# fused dual-layout quantization == two reference calls, bit for bit (partial tiles, NaN, Inf, pow2)
+for shape, pow2, dtype in [((200, 300), False, torch.bfloat16), ((130, 256), True, torch.float32), ((1, 128), False, torch.float32)]:
+    x = torch.randn(shape) * torch.exp(2 * torch.randn(shape))
+    x[0, 2] = float("nan")
+    x[-1, -1] = float("-inf")
+    x = x.to(dtype)
+    got = quantize_dual_triton(x, pow2)
+    want = (*quantize_reference(x, 1, 128, pow2), *quantize_reference(x.t(), 1, 128, pow2))
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.is_contiguous() and torch.equal(bits(g), bits(w)), shape
 # per-token-head groups narrower than 128 (the KV cache's head_dim)
 for width in (16, 64):
     x = torch.randn(70, 3 * width)
@@ -78,7 +88,7 @@ for m, n, k, cfg in [(1, 256, 384, None), (20, 200, 300, SmallMConfig(16, 64, 2)
         ref = gemm_emulated(a, b, torch.float32)
         out = gemm_small_m(a.codes, a.scales, b.codes, b.scales, torch.float32, cfg)
         assert out.shape == (m, n) and float((out - ref).norm() / ref.norm()) < 1e-5, (m, n, k, col_major)
-# the dispatcher routes to it, and quantize_with_transpose gives both layouts under the Triton backend
+# the dispatcher routes to it, and quantize_with_transpose uses the fused kernel under the Triton backend
 with override_backend("triton"):
     a, b = quantize(torch.randn(4, 256)), quantize(torch.randn(128, 256), (128, 128))
     assert float((fp8_gemm(a, b, torch.float32) - gemm_emulated(a, b, torch.float32)).abs().max()) < 1e-4
@@ -89,7 +99,7 @@ print("OK")
 """
 
 
-def test_quant_kernels_and_small_m_gemm_match_references_in_interpreter():
+def test_dual_quant_and_small_m_gemm_match_references_in_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "JETRL_QUANT_BACKEND": "triton"}
     proc = subprocess.run([sys.executable, "-c", DUAL_AND_GEMM_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=300)

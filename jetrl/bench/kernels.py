@@ -3,7 +3,7 @@
 (a) ``quant_kernels``: effective bandwidth of each quantizer, (bytes read + bytes written) /
     time, against the copy ceiling ``y.copy_(x)`` measured on a same-size BF16 tensor in the
     same run. Inputs: a (tokens, hidden) BF16 activation in 1x128 groups, the same tensor in the
-    wgrad layout ``quantize(x.t())``, both layouts ``quantize_with_transpose``,
+    wgrad layout ``quantize(x.t())``, the fused dual-layout pass ``quantize_with_transpose``,
     a (intermediate, hidden) weight in 128x128 blocks, and K/V in per-token-head groups
     (``quantize_kv``; a prefill's worth event-timed, a decode step's worth under CUDA-graph
     replay). Correctness: codes and scales bit-equal to ``quantize_reference`` on the same
@@ -81,7 +81,7 @@ def quant_kernels(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any]
     cases: list[tuple[str, torch.Tensor, Any, list, bool]] = [
         (f"quant 1x128 act {m}x{k}", x, lambda: quantize(x), [(x, 1, 128)], False),
         ("quant 1x128 wgrad layout x.t()", x, lambda: quantize(x.t()), [(x.t(), 1, 128)], False),
-        (f"quant x + x.t() {m}x{k}", x, lambda: quant_module.quantize_with_transpose(x),
+        (f"quant fused x + x.t() {m}x{k}", x, lambda: quant_module.quantize_with_transpose(x),
          [(x, 1, 128), (x.t(), 1, 128)], False),
         (f"quant 128x128 weight {cfg.weight_shape[0]}x{cfg.weight_shape[1]}", w, lambda: quantize(w, (128, 128)),
          [(w, 128, 128)], False),

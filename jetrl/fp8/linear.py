@@ -8,8 +8,9 @@ One ``autograd.Function`` holds the whole layer (y = x W^T; M tokens, K in, N ou
 
 * The input is saved for backward in FP8, already in the wgrad layout (X^T codes + scales,
   1 byte/element); the BF16 input is not kept.
-* X and dY are each quantized in both of their layouts
-  (:func:`~jetrl.fp8.quant.quantize_with_transpose`), X in the forward pass.
+* X and dY are each quantized in one pass that writes both of their layouts
+  (:func:`~jetrl.fp8.quant.quantize_with_transpose`): two activation passes per layer
+  and step instead of four.
 * Gradients between ops stay in the input's dtype (BF16 in a BF16 model), dW is accumulated
   in fp32 by the GEMM and returned in the master weight's dtype (BF16, or fp32 if chosen).
 * The bias is added outside the Function in high precision, by autograd.

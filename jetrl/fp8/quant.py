@@ -164,13 +164,21 @@ def quantize(
 def quantize_with_transpose(
     x: torch.Tensor, *, pow2_scale: bool = False, check_finite: bool = False, name: str = "tensor"
 ) -> tuple[Float8Blocks, Float8Blocks]:
-    """``(quantize(x, (1, 128)), quantize(x.t(), (1, 128)))``: the two layouts a linear layer needs
-    from one tensor, 1x128 groups along K for fprop or dgrad and 1x128 groups along the tokens M
-    for wgrad. Two passes (the second reads x through its transposed strides, no copy): a fused
-    one-pass kernel measured slower on the H200 (kernels/quant_triton.py). Recorders see ``name``
-    and ``name + "_t"``.
+    """``(quantize(x, (1, 128)), quantize(x.t(), (1, 128)))`` in one pass over ``x`` (M, K).
+
+    The two layouts a linear layer needs from one tensor: 1x128 groups along K for fprop or
+    dgrad, and 1x128 groups along the tokens M for wgrad. The result is *defined* as the two
+    separate calls (same codes, same scales, bit for bit); on CUDA one fused kernel reads x
+    once and writes both, instead of two passes and a strided read of x^T.
+    Recorders see ``name`` and ``name + "_t"``.
     """
     _validate(x, (1, BLOCK), name)
+    if quant_backend(x.device) == "triton":
+        from jetrl.fp8.kernels.quant_triton import quantize_dual_triton
+
+        codes, scales, codes_t, scales_t = quantize_dual_triton(x, pow2_scale)
+        out = Float8Blocks(codes, scales, (1, BLOCK)), Float8Blocks(codes_t, scales_t, (1, BLOCK))
+        return _finish(out[0], check_finite, name), _finish(out[1], check_finite, f"{name}_t")
     return (quantize(x, (1, BLOCK), pow2_scale=pow2_scale, check_finite=check_finite, name=name),
             quantize(x.t(), (1, BLOCK), pow2_scale=pow2_scale, check_finite=check_finite, name=f"{name}_t"))
 

@@ -1,15 +1,20 @@
 """Triton kernel of the one quantizer; its spec is :func:`jetrl.fp8.quant.quantize_reference`.
 
-One kernel, ``_quantize_kernel``: one program quantizes a (TILE_R, GC) tile of x (R, C), GC the
-group width (128 for GEMM operands; the head_dim, a power of two from 16 to 128, for the
-per-token KV-cache groups). With 1xGC groups each tile row is a group, with 128x128 blocks the
-whole tile (TILE_R = 128) is one block. It reads x through its strides, so the wgrad operand
-``x.t()`` is quantized without a transpose copy, and it writes row-major codes (R, C) and fp32
-scales (ceil(R/GR), ceil(C/GC)), or column-major scales on request.
+Two kernels:
 
-A fused kernel that wrote both of an activation's layouts (1x128 along K and along the tokens)
-in one pass over x was measured on the H200 (2026-11-30, every chunk/warp configuration) at
-0.85-0.87x the speed of the two plain passes, and was removed; see docs/benchmarks.md.
+* ``_quantize_kernel``: one program quantizes a (TILE_R, GC) tile of x (R, C), GC the group
+  width (128 for GEMM operands; the head_dim, a power of two from 16 to 128, for the per-token
+  KV-cache groups). With 1xGC groups each tile row is a group, with 128x128 blocks the whole
+  tile (TILE_R = 128) is one block. It reads x through its strides, so the wgrad operand
+  ``x.t()`` is quantized without a transpose copy, and it writes row-major codes (R, C) and
+  fp32 scales (ceil(R/GR), ceil(C/GC)).
+* ``_quantize_dual_kernel``: one pass over x (M, K) that writes *both* layouts a linear layer
+  needs -- q(x) in 1x128 groups along K (fprop, dgrad) and q(x^T) in 1x128 groups along M
+  (wgrad) -- per (128, 128) tile: column amaxes give the token-group scales, row amaxes the
+  others, and the transposed codes are stored through a register transpose. DRAM sees x
+  once (the second walk over the tile hits the cache), and x^T is never materialized. Each layout's
+  codes and scales are exactly those of ``quantize_reference(x, 1, 128)`` and
+  ``quantize_reference(x.t(), 1, 128)``.
 
 The arithmetic is the reference's, operation for operation, so the GPU codes are
 bit-identical to it:
@@ -159,3 +164,59 @@ def quantize_triton(
         GROUP_ROWS=br, GROUP_COLS=bc, TILE_R=tile_r, POW2=pow2_scale, EXPLICIT_ROUND=explicit_round(), num_warps=num_warps or (8 if br == 128 else 4),
     )
     return codes, scales
+
+
+@triton.jit
+def _quantize_dual_kernel(
+    x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr,
+    M, K, stride_xm, stride_xk, num_k_groups, num_m_groups,
+    POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr, CHUNK: tl.constexpr,
+):
+    # One (128 m, 128 k) tile, walked in (128, CHUNK) column chunks to keep registers low.
+    # Pass 1: a chunk holds whole token groups (128 rows) of CHUNK columns, so it finishes
+    # their x^T scales and codes at once, and accumulates the row amaxes. Pass 2 re-reads the
+    # chunks (from cache: DRAM sees x once) and writes q(x) with the now complete row scales.
+    pid_k, pid_m = tl.program_id(0), tl.program_id(1)
+    rows = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)  # int64 offsets (cols * M below)
+    row_ok = rows < M
+    amax = tl.zeros((128,), dtype=tl.float32)
+    for c in range(128 // CHUNK):
+        cols = pid_k.to(tl.int64) * 128 + c * CHUNK + tl.arange(0, CHUNK)
+        mask = row_ok[:, None] & (cols[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, _amax(x, 1))
+        amax_t = _amax(x, 0)  # (CHUNK,): complete token groups
+        scale_t, reciprocal_t = _scale_and_reciprocal(amax_t, amax_t == float("inf"), POW2)
+        code_bits_t = tl.trans(_code_bits(x * reciprocal_t[None, :], (scale_t != scale_t)[None, :], EXPLICIT_ROUND))
+        tl.store(codes_t_ptr + cols[:, None] * M + rows[None, :], code_bits_t, mask=tl.trans(mask))
+        tl.store(scales_t_ptr + cols * num_m_groups + pid_m, scale_t, mask=cols < K)
+    scale, reciprocal = _scale_and_reciprocal(amax, amax == float("inf"), POW2)
+    tl.store(scales_ptr + rows * num_k_groups + pid_k, scale, mask=row_ok)
+    for c in range(128 // CHUNK):
+        cols = pid_k.to(tl.int64) * 128 + c * CHUNK + tl.arange(0, CHUNK)
+        mask = row_ok[:, None] & (cols[None, :] < K)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        code_bits = _code_bits(x * reciprocal[:, None], (scale != scale)[:, None], EXPLICIT_ROUND)
+        tl.store(codes_ptr + rows[:, None] * K + cols[None, :], code_bits, mask=mask)
+
+
+def quantize_dual_triton(
+    x: torch.Tensor, pow2_scale: bool, *, chunk: int = 32, num_warps: int = 4
+) -> tuple[torch.Tensor, ...]:
+    """Same result as ``(*quantize_reference(x, 1, 128, p), *quantize_reference(x.t(), 1, 128, p))``.
+
+    Returns (codes (M, K), scales (M, K/128), codes_t (K, M), scales_t (K, M/128)), row-major.
+    """
+    assert x.dim() == 2, x.shape
+    m, k = x.shape
+    num_m_groups, num_k_groups = triton.cdiv(m, 128), triton.cdiv(k, 128)
+    codes = torch.empty((m, k), dtype=E4M3, device=x.device)
+    scales = torch.empty((m, num_k_groups), dtype=torch.float32, device=x.device)
+    codes_t = torch.empty((k, m), dtype=E4M3, device=x.device)
+    scales_t = torch.empty((k, num_m_groups), dtype=torch.float32, device=x.device)
+    _quantize_dual_kernel[(num_k_groups, num_m_groups)](
+        x, codes.view(torch.uint8), scales, codes_t.view(torch.uint8), scales_t,
+        m, k, x.stride(0), x.stride(1), num_k_groups, num_m_groups, POW2=pow2_scale,
+        EXPLICIT_ROUND=explicit_round(), CHUNK=chunk, num_warps=num_warps,
+    )
+    return codes, scales, codes_t, scales_t
