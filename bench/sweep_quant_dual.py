@@ -1,7 +1,9 @@
 """The H200 sweep behind the dual-layout quantizer's defaults (``quantize_dual_triton``: chunk,
 warps) on a linear layer's activation and gradient shapes, against the two single-layout passes
 it replaces (x, then the strided x^T), under CUDA-graph replay. Every configuration is checked
-bit for bit against the reference first. GPU only; writes $OUT/quant_dual.json.
+bit for bit against the reference first. Then, eagerly (where the host's per-call work counts, as in
+training), the default against the two passes: both layouts of x and dy, and a Float8Linear
+forward+backward using each. GPU only; writes $OUT/quant_dual.json.
 
     PYTHONPATH=. OUT=/tmp python3 bench/sweep_quant_dual.py
 """
@@ -12,10 +14,13 @@ import os
 import time
 
 import torch
+import torch.nn as nn
 
-from jetrl.bench.timing import graph_time_us
+from jetrl.bench.timing import graph_time_us, time_ms
+from jetrl.fp8 import Float8Linear, get_recipe
+from jetrl.fp8 import linear as linear_module
 from jetrl.fp8.kernels.quant_triton import quantize_dual_triton, quantize_triton
-from jetrl.fp8.quant import quantize_reference
+from jetrl.fp8.quant import BLOCK, quantize, quantize_reference, quantize_with_transpose
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -50,8 +55,44 @@ def main() -> None:
             if ok and (best is None or us < best["us"]):
                 best = row
         print("best", best, "vs two passes", f"{sep / best['us']:.2f}x", flush=True)
+    res += eager_rows(dev)
     print("time", time.time() - t0)
     json.dump(res, open(f"{out_dir}/quant_dual.json", "w"), indent=1)
+
+
+def two_passes(x: torch.Tensor, *, pow2_scale: bool = False, check_finite: bool = False, name: str = "t"):
+    return (quantize(x, (1, BLOCK), pow2_scale=pow2_scale, name=name),
+            quantize(x.t(), (1, BLOCK), pow2_scale=pow2_scale, name=name + "_t"))
+
+
+def eager_rows(dev: torch.device) -> list[dict]:
+    """Eager ms of both layouts of x and dy, and of a Float8Linear fwd+bwd, fused pass vs two passes."""
+    timer = {"device": dev, "iters": 20, "warmup": 5, "back_to_back": 10}
+    rows = []
+    for m, k, n in [(4096, 4096, 6144), (4096, 4096, 4096), (4096, 4096, 24576), (4096, 12288, 4096)]:
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+        bf16 = nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16)
+        fp8 = Float8Linear.from_float(bf16, get_recipe("jet"), name="sweep")
+        xg = x.clone().requires_grad_()
+
+        def fwd_bwd(mod: nn.Module):
+            def run() -> None:
+                mod.weight.grad, xg.grad = None, None
+                mod(xg).backward(dy)
+            return run
+
+        row = {"m": m, "k": k, "n": n, "kind": "eager", "bf16_fwd_bwd_ms": time_ms(fwd_bwd(bf16), **timer)}
+        for label, dual in (("fused", quantize_with_transpose), ("two_passes", two_passes)):
+            row[f"{label}_quant_ms"] = time_ms(lambda dual=dual: (dual(x), dual(dy)), **timer)
+            linear_module.quantize_with_transpose = dual
+            try:
+                row[f"{label}_fwd_bwd_ms"] = time_ms(fwd_bwd(fp8), **timer)
+            finally:
+                linear_module.quantize_with_transpose = quantize_with_transpose
+        rows.append(row)
+        print(row, flush=True)
+    return rows
 
 
 if __name__ == "__main__":

@@ -39,10 +39,12 @@ FP8 cost (H200, B = 256, mean context 640, docs/benchmarks.md): the FP8 loop tak
 ~165 µs for the BF16 one, while the BF16 loop over the same bytes (half the context) takes ~90 µs, so
 it is bound by turning the codes into tensor-core operands, not by HBM. V is the hard operand: its
 reduction axis (positions) is not contiguous, and there is no 8-bit ldmatrix.trans, so Triton moves
-it through shared memory byte by byte. Measured and dropped: fp16 codes with the scales outside the
-dots, E4M3 tensor-core dots (q and P split into E4M3 terms; Triton upcasts to fp16 at 16 rows and
-pads to 64 rows for wgmma), a transposed V cache, and length masks loosened for vectorized loads --
-all as fast or slower.
+it through shared memory byte by byte (64 ld.shared.b8 per thread per tile in its PTX). Measured
+and dropped (docs/benchmarks.md, section d): the scales outside the dots (3% faster with bf16
+codes, but it skips the bf16 rounding of c * s that the trainer's fake quantization applies; no
+faster with fp16 codes), E4M3 tensor-core dots (q and P split into E4M3 terms; Triton upcasts at 16
+rows and pads to 64 rows for wgmma), a transposed V cache, and length masks loosened for
+vectorized loads -- as fast or slower.
 
 Interpreter (TRITON_INTERPRET=1, the CPU tests): its tl.dot multiplies the raw uint16 storage of
 bf16 operands and its fp32 -> bf16 cast truncates, so with EMULATE the dots are taken in IEEE
