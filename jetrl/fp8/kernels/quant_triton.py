@@ -161,7 +161,8 @@ def quantize_triton(
     grid = (num_col_groups, triton.cdiv(rows, tile_r))
     _quantize_kernel[grid](
         x, codes.view(torch.uint8), scales, rows, cols, x.stride(0), x.stride(1), scales.stride(0), scales.stride(1),
-        GROUP_ROWS=br, GROUP_COLS=bc, TILE_R=tile_r, POW2=pow2_scale, EXPLICIT_ROUND=explicit_round(), num_warps=num_warps or (8 if br == 128 else 4),
+        GROUP_ROWS=br, GROUP_COLS=bc, TILE_R=tile_r, POW2=pow2_scale, EXPLICIT_ROUND=explicit_round(),
+        num_warps=num_warps or (8 if br == 128 else 4),
     )
     return codes, scales
 
