@@ -1,17 +1,33 @@
-"""A scoped, process-wide override of a backend choice: the one mechanism behind
-``jetrl.fp8.override_backend``, ``jetrl.engine.decode_attention.use_decode_attention_backend``
-and ``jetrl.models.fused.use_fused_ops``.
+"""How a fast path's backend is chosen, one mechanism for all of them: the quantizer
+(``JETRL_QUANT_BACKEND``), the FP8 GEMM (``JETRL_GEMM_BACKEND``, ``jetrl.fp8.override_backend``), the
+decode attention (``JETRL_DECODE_ATTENTION``, ``use_decode_attention_backend``) and the fused
+RMSNorm/RoPE/SwiGLU kernels (``JETRL_FUSED_OPS``, ``use_fused_ops``).
 
-Why: each fast path resolves its default once (per device, from the hardware and an environment
-variable); tests and benchmarks must force another choice for a block of code and get the
-previous one back afterwards, also when blocks nest or raise.
+* :func:`env_choice` reads a backend's environment variable and rejects a value it does not know
+  with one actionable message, naming the variable and the choices.
+* :class:`ScopedOverride` forces a choice for a block of code: each fast path resolves its default
+  once (per device, from the hardware and the variable); tests and benchmarks must force another
+  one and get the previous one back afterwards, also when blocks nest or raise.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
+
+
+def env_choice(var: str, choices: tuple[str, ...], meaning: str = "") -> str | None:
+    """The value of environment variable ``var`` if set (None if not), checked against ``choices``.
+
+    ``meaning`` explains the choices in the error, e.g. ``"1 = fused kernels, 0 = PyTorch ops"``.
+    """
+    value = os.environ.get(var)
+    if value is not None and value not in choices:
+        raise ValueError(f"{var}={value!r} is not a valid choice; use one of {', '.join(choices)}"
+                         + (f" ({meaning})" if meaning else "") + f", or unset {var} for the default")
+    return value
 
 
 class ScopedOverride:

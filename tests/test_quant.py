@@ -138,3 +138,17 @@ def test_bad_input_names_the_tensor(x, block, err, match):
 def test_float8blocks_dequantize_dtype():
     q = quantize(torch.randn(2, 128))
     assert isinstance(q, Float8Blocks) and q.dequantize(torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_quant_backend_env_var_must_name_a_backend(monkeypatch):
+    """A bad JETRL_QUANT_BACKEND is an actionable error naming the variable and the choices
+    (overrides.env_choice, shared by every backend variable); a valid one is taken as is."""
+    import jetrl.fp8.quant as quant_module
+
+    monkeypatch.setattr(quant_module, "_backend_by_type", {})
+    monkeypatch.setenv("JETRL_QUANT_BACKEND", "fast")
+    with pytest.raises(ValueError, match=r"JETRL_QUANT_BACKEND='fast' is not a valid choice; use one of "
+                                         r"reference, triton, or unset JETRL_QUANT_BACKEND"):
+        quant_module.quant_backend(torch.device("cpu"))
+    monkeypatch.setenv("JETRL_QUANT_BACKEND", "reference")
+    assert quant_module.quant_backend(torch.device("cpu")) == "reference"

@@ -62,7 +62,7 @@ from torch import Tensor
 
 from jetrl.fp8.kv_quant import dequantize_kv
 from jetrl.fp8.quant import E4M3
-from jetrl.overrides import ScopedOverride
+from jetrl.overrides import ScopedOverride, env_choice
 
 MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DECODE_ATTENTION_BACKENDS = ("reference", "triton")
@@ -129,9 +129,7 @@ _override = ScopedOverride("decode attention backend", DECODE_ATTENTION_BACKENDS
 
 @functools.cache
 def _default_backend(device_type: str) -> str:
-    env = os.environ.get("JETRL_DECODE_ATTENTION")
-    if env is not None and env not in DECODE_ATTENTION_BACKENDS:
-        raise ValueError(f"JETRL_DECODE_ATTENTION={env!r} is not a backend; use one of {DECODE_ATTENTION_BACKENDS}")
+    env = env_choice("JETRL_DECODE_ATTENTION", DECODE_ATTENTION_BACKENDS)
     if env is not None:
         return env
     from jetrl.fp8.kernels import has_triton

@@ -39,13 +39,12 @@ not compute the quantized graph, and the rollout would leave the trainer's preci
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.nn.functional as F
 
 from jetrl.fp8.quant import BLOCK, Float8Blocks
-from jetrl.overrides import ScopedOverride
+from jetrl.overrides import ScopedOverride, env_choice
 
 BACKENDS = ("emulated", "scaled_mm", "triton")
 SMALL_M_MAX = 64  # rows up to which the Triton small-M kernel beats cuBLAS block FP8 (bench section c)
@@ -111,9 +110,7 @@ def resolve_backend(device: torch.device | str) -> str:
     device = torch.device(device)
     key = f"{device.type}:{device.index}"
     if key not in _resolved:
-        env = os.environ.get("JETRL_GEMM_BACKEND")
-        if env is not None and env not in (*BACKENDS, "auto"):
-            raise ValueError(f"JETRL_GEMM_BACKEND={env!r} is not a backend; use auto or one of {BACKENDS}")
+        env = env_choice("JETRL_GEMM_BACKEND", ("auto", *BACKENDS), "auto = per-shape choice on SM90")
         if env == "auto" and not has_block_scaled_mm(device):
             env = None  # auto off SM90: the emulation
         if env not in (None, "emulated") and not has_block_scaled_mm(device):

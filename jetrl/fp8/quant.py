@@ -50,12 +50,13 @@ naming the tensor; the trainer acts on a non-finite loss or gradient for activat
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from jetrl.overrides import env_choice
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -231,9 +232,7 @@ def quant_backend(device: torch.device) -> str:
     """The quantizer implementation used on ``device`` (resolved once per device type)."""
     backend = _backend_by_type.get(device.type)
     if backend is None:
-        env = os.environ.get("JETRL_QUANT_BACKEND")
-        if env is not None and env not in QUANT_BACKENDS:
-            raise ValueError(f"JETRL_QUANT_BACKEND={env!r} is not a backend; use one of {QUANT_BACKENDS}")
+        env = env_choice("JETRL_QUANT_BACKEND", QUANT_BACKENDS)
         if env is None:
             from jetrl.fp8.kernels import has_triton
 

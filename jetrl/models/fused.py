@@ -20,13 +20,12 @@ forward-only; norms and RoPE are cheap next to the GEMMs in training).
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from jetrl.overrides import ScopedOverride
+from jetrl.overrides import ScopedOverride, env_choice
 
 _ENV = "JETRL_FUSED_OPS"
 
@@ -62,11 +61,8 @@ def fused_ops_requested() -> bool:
     """Whether the fused path is asked for: the innermost :func:`use_fused_ops`, else ``JETRL_FUSED_OPS``."""
     if _override.value is not None:
         return _override.value
-    flag = os.environ.get(_ENV, "1")
-    if flag not in ("0", "1"):
-        raise ValueError(f"{_ENV}={flag!r}: use 1 (fused RMSNorm/RoPE/SwiGLU kernels on CUDA, the default) or 0 "
-                         "(PyTorch ops)")
-    return flag == "1"
+    flag = env_choice(_ENV, ("0", "1"), "1 = fused RMSNorm/RoPE/SwiGLU kernels on CUDA, the default; 0 = PyTorch ops")
+    return flag != "0"
 
 
 def fused_ops_enabled(x: Tensor) -> bool:
