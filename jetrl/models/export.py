@@ -23,7 +23,10 @@ Formats:
   trainer's forward and the rollout used; loading the export back
   (:func:`jetrl.models.load_pretrained`) primes the caches with them again, so FP8 -> load ->
   FP8 is bit-exact. ``modules_to_not_convert`` is written explicitly because transformers adds
-  no default skips (not even ``lm_head``) once the list is given.
+  no default skips (not even ``lm_head``) once the list is given. A weight dim of more than 128
+  that is not a multiple of 128 ends in a partial block: stored exactly, but transformers' CPU
+  dequantization (5.17) takes the block size as ``dim // n_blocks`` and misreads it, so the export
+  warns (and counts such layers in its summary).
 
 The tokenizer files of the source (``tokenizer.json``, ``tokenizer_config.json``,
 ``chat_template.jinja``, ``generation_config.json``, ...) are copied along.
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +59,7 @@ import torch
 
 from jetrl.fp8.convert import check_model_precision, convert_to_float8, float8_modules
 from jetrl.fp8.export import fp8_quantization_config, fp8_state_dict, high_precision_linears
+from jetrl.fp8.quant import BLOCK
 from jetrl.fp8.recipe import Recipe, get_recipe
 from jetrl.models.config import ModelConfig
 from jetrl.models.llama import CausalLM
@@ -148,7 +153,18 @@ def export_model(
         hf["torch_dtype"] = "bfloat16"
         hf["quantization_config"] = qc
         save_state_dict(state, hf, out_dir)
-        summary.update(fp8_layers=sum(1 for k in state if k.endswith(".weight_scale_inv")), recipe=model_recipe.name)
+        # a dim of more than one block that is not a multiple of 128 ends in a partial block
+        partial = [fqn for fqn, m in layers.items() if any(d > BLOCK and d % BLOCK for d in m.weight.shape)]
+        if partial:
+            warnings.warn(
+                f"{len(partial)} FP8 layer(s) end in partial 128x128 blocks (e.g. {partial[0]}, weight "
+                f"{tuple(layers[partial[0]].weight.shape)}): the file stores them exactly and jetrl loads them "
+                "bit for bit, but transformers' CPU dequantization (5.x) derives the block size as dim // n_blocks "
+                "and misreads or rejects them; use --format bf16 for such a model if transformers on CPU must read it",
+                stacklevel=2,
+            )
+        summary.update(fp8_layers=sum(1 for k in state if k.endswith(".weight_scale_inv")), recipe=model_recipe.name,
+                       partial_block_layers=len(partial))
     summary["tokenizer_files"] = copy_tokenizer_files(tokenizer_from, out_dir) if tokenizer_from else []
     return summary
 
