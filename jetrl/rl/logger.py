@@ -5,6 +5,11 @@
 the run had never been interrupted. TensorBoard is written when ``tensorboard`` is importable
 (``torch.utils.tensorboard``); W&B only when a project is configured (imported lazily).
 The progress line shows step, ETA and a few headline metrics on stderr.
+
+W&B: the run's id is kept in ``RUN_DIR/wandb_run_id``, so ``--resume`` continues the same W&B run
+(``resume="allow"``) instead of starting a new one. W&B cannot delete points: steps after the
+checkpoint that the interrupted run had logged stay in W&B, and W&B ignores re-logged steps that
+are not beyond its last one (metrics.jsonl has the exact record).
 """
 
 from __future__ import annotations
@@ -41,9 +46,7 @@ class MetricsLogger:
             except ImportError:
                 self.tb = None
         if wandb_project:
-            import wandb  # optional dependency: pip install wandb
-
-            self.wandb = wandb.init(project=wandb_project, name=run_name, config=config, resume="allow")
+            self.wandb = _wandb_run(Path(run_dir), wandb_project, run_name, config, resuming=bool(resume_step))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **metrics}
@@ -72,3 +75,17 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _wandb_run(run_dir: Path, project: str, name: str | None, config: dict | None, *, resuming: bool) -> Any:
+    """A W&B run for ``run_dir``: the one recorded in ``run_dir/wandb_run_id`` when resuming, else a new one."""
+    try:
+        import wandb  # optional dependency
+    except ImportError as exc:
+        raise RuntimeError(f"wandb_project={project!r} needs the wandb package: pip install wandb, or unset "
+                           "wandb_project") from exc
+    id_file = run_dir / "wandb_run_id"
+    run_id = id_file.read_text().strip() if resuming and id_file.exists() else wandb.util.generate_id()
+    run = wandb.init(project=project, name=name, config=config, id=run_id, resume="allow")
+    id_file.write_text(run_id + "\n")
+    return run

@@ -11,6 +11,7 @@ reads it back, so a resumed run is the same run.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import types
 import typing
 from dataclasses import dataclass, field
@@ -98,6 +99,12 @@ class RunConfig:
             raise ValueError(f"recipe={self.recipe!r}: choose one of {list(RECIPE_NAMES)}")
         if self.save_steps < 0 or self.keep_last < 1:
             raise ValueError("save_steps must be >= 0 and keep_last >= 1")
+        if self.wandb_project is not None:
+            if not self.wandb_project.strip():
+                raise ValueError("wandb_project is empty: name a W&B project, or leave it unset (null)")
+            if importlib.util.find_spec("wandb") is None:  # checked here, before any model is loaded
+                raise ValueError(f"wandb_project={self.wandb_project!r} needs the wandb package: pip install wandb, "
+                                 "or unset wandb_project (metrics.jsonl and TensorBoard are always written)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
