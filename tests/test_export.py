@@ -10,10 +10,10 @@ forward after a few optimizer steps under ``jet``.
 from __future__ import annotations
 
 import json
-import warnings
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest

@@ -242,7 +242,7 @@ def decode_attention_triton(
     ``block_s``, ``num_splits`` (None: :func:`choose_num_splits`), ``num_warps`` and ``num_stages``
     exist for the bench's sweep. Inputs are validated by the public ``decode_attention``. The default
     ``block_s`` is the sweep's best on the H200: 32 positions for a BF16 cache (5-10% faster than 64
-    at 4K context, even at 640), 64 for an FP8 one.
+    at 4K context, equal at 640), 64 for an FP8 one.
     """
     B, H, D = q.shape
     _, Hkv, S, _ = k.shape

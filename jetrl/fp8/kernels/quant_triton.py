@@ -207,10 +207,10 @@ def quantize_dual_triton(
     """Same result as ``(*quantize_reference(x, 1, 128, p), *quantize_reference(x.t(), 1, 128, p))``.
 
     ``chunk`` / ``num_warps``: the best of bench/sweep_quant_dual.py on the H200 at every linear-layer
-    shape (1.16x the former 32 / 4). Measured against the two single-layout passes it replaces
-    (same run, 4096 tokens): 0.85-0.87x their GPU time under CUDA graphs, but one launch instead
-    of two, which wins in eager training wherever the host is the bottleneck (up to 1.8x at
-    4096x4096; equal at 4096x24576) -- docs/benchmarks.md, section (a).
+    shape (1.16x the former 32 / 4). Against the two single-layout passes it replaces: 0.85-0.87x
+    their speed on the GPU alone (CUDA graphs), but one launch instead of two, which wins in eager
+    training where the host is the bottleneck (with the former tiles, same run, 4096 tokens: 1.8x
+    for x and dy of the q/k/v and o layers, equal for gate_up) -- docs/benchmarks.md, section (a).
 
     Returns (codes (M, K), scales (M, K/128), codes_t (K, M), scales_t (K, M/128)), row-major.
     """
