@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -25,6 +26,22 @@ def test_yaml_then_overrides(tmp_path):
     assert resolve_config(RunConfig(), None, []).to_yaml() == RunConfig().to_yaml()
 
 
+def test_task_options_reach_the_reasoning_gym_dataset(tmp_path):
+    """task.options is free-form (the dataset's own config keys), from YAML and from dotted overrides."""
+    assert get_preset("smollm2").task.options == {"max_terms": 2, "max_digits": 1}
+    path = tmp_path / "run.yaml"
+    path.write_text("task:\n  options:\n    max_digits: 2\n    min_terms: 3\n")
+    cfg = resolve_config(get_preset("smollm2"), path, ["task.options.max_terms=3"])
+    assert cfg.task.options == {"max_terms": 3, "max_digits": 2, "min_terms": 3}
+    pytest.importorskip("reasoning_gym")
+    from jetrl.run.tasks import load_task
+
+    train, held_out = load_task(replace(cfg.task, num_train=20, num_eval=5))
+    assert all(r["metadata"]["num_terms"] == 3 and r["metadata"]["num_digits"] <= 2 for r in train + held_out)
+    with pytest.raises(ValueError, match="rejects the options"):
+        load_task(replace(cfg.task, options={"max_terms": 1, "min_terms": 2}))
+
+
 @pytest.mark.parametrize(
     "yaml_text, overrides, match",
     [
@@ -36,6 +53,8 @@ def test_yaml_then_overrides(tmp_path):
         ("", ["grpo.generation_batch_size=30"], "multiple of grpo.num_generations"),
         ("", ["task.source=file"], "task.source='file' needs task.path"),
         ("", ["nokey"], "must look like section.key=value"),
+        ("", ["task.options.max_terms=2"], "task.options is for task.source='reasoning_gym'"),
+        ("", ["task.options=[1]"], "task.options=\\[1\\] has the wrong type"),
         ("- a\n- b\n", [], "must hold a mapping"),
     ],
 )

@@ -40,6 +40,9 @@ def reasoning_gym_records(task: str, size: int, seed: int, *, instruction: str |
         dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **config)
     except ValueError as e:
         raise ValueError(f"reasoning-gym task {task!r}: {e}; the names are in reasoning_gym.factory.DATASETS") from e
+    except (TypeError, AssertionError) as e:  # an unknown or inconsistent dataset option
+        raise ValueError(f"reasoning-gym task {task!r} rejects the options {config}: {e or type(e).__name__}; "
+                         f"see the task's config class in reasoning_gym") from e
     records = []
     for entry in dataset:
         question = entry["question"] if instruction is None else f"{entry['question']}\n{instruction}"

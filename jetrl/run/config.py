@@ -52,6 +52,7 @@ class TaskConfig:
     seed: int = _f(0, "seed of problem generation and of the held-out split")
     system_prompt: str | None = _f(None, "system message prepended to every prompt")
     reward_funcs: list[str] = _f(["math"], "reward functions by name (jetrl.rewards.REWARD_FUNCS)")
+    options: dict[str, Any] = _f({}, "reasoning_gym: the task's dataset config, e.g. {max_terms: 3, max_digits: 2}")
 
     def __post_init__(self) -> None:
         if self.source not in ("tiny_adder", "synthetic", "reasoning_gym", "file"):
@@ -62,6 +63,9 @@ class TaskConfig:
             raise ValueError(f"task.num_train={self.num_train} must be >= 1 and task.num_eval={self.num_eval} >= 0")
         if not self.reward_funcs:
             raise ValueError("task.reward_funcs is empty: name at least one reward function, e.g. ['math']")
+        if self.options and self.source != "reasoning_gym":
+            raise ValueError(f"task.options is for task.source='reasoning_gym' (the dataset's config); "
+                             f"task.source={self.source!r} takes none")
 
 
 @dataclass(kw_only=True)
@@ -149,9 +153,14 @@ def _check_type(value: Any, hint: Any, path: str) -> Any:
                 pass
         if origin is list and isinstance(value, list):
             return value
+        if origin is dict and isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return value
         if origin in (int, str, bool) and type(value) is origin:
             return value
     raise ValueError(f"config {path}={value!r} has the wrong type: expected {hint}")
+
+
+FREE_FORM = ("task.options",)  # mappings whose keys belong to another library: any key may be set
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -161,7 +170,7 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
         if not isinstance(node.get(key), dict):
             raise ValueError(f"override {dotted}: {key!r} is not a config section")
         node = node[key]
-    if keys[-1] not in node:
+    if keys[-1] not in node and ".".join(keys[:-1]) not in FREE_FORM:
         raise ValueError(f"unknown config key {dotted}; valid keys here: {', '.join(node)}")
     node[keys[-1]] = value
 
@@ -169,9 +178,9 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
 def _merge(base: dict[str, Any], update: dict[str, Any], path: str = "") -> None:
     for key, value in update.items():
         full = f"{path}.{key}" if path else key
-        if key not in base:
+        if key not in base and path not in FREE_FORM:
             raise ValueError(f"unknown config key {full}; valid keys here: {', '.join(base)}")
-        if isinstance(base[key], dict) and isinstance(value, dict):
+        if isinstance(base.get(key), dict) and isinstance(value, dict):
             _merge(base[key], value, full)
         else:
             base[key] = value

@@ -20,7 +20,7 @@ def load_task(task: Any) -> tuple[list[dict], list[dict]]:
     if task.source == "synthetic":
         return synthetic_split(task.num_train, task.num_eval, task.seed, ops=list(task.name))
     if task.source == "reasoning_gym":
-        records = reasoning_gym_records(task.name, task.num_train + task.num_eval, task.seed)
+        records = reasoning_gym_records(task.name, task.num_train + task.num_eval, task.seed, **task.options)
         if task.num_eval == 0:
             return records, []
         return split_eval(records, task.num_eval, task.seed)
