@@ -55,6 +55,7 @@ def test_task_options_reach_the_reasoning_gym_dataset(tmp_path):
         ("", ["nokey"], "must look like section.key=value"),
         ("", ["task.options.max_terms=2"], "task.options is for task.source='reasoning_gym'"),
         ("", ["task.options=[1]"], "task.options=\\[1\\] has the wrong type"),
+        ("", ["task.source=reasoning_gym", "task.options.seed=3"], "task.options.seed is set by jetrl"),
         ("- a\n- b\n", [], "must hold a mapping"),
     ],
 )

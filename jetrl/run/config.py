@@ -66,6 +66,10 @@ class TaskConfig:
         if self.options and self.source != "reasoning_gym":
             raise ValueError(f"task.options is for task.source='reasoning_gym' (the dataset's config); "
                              f"task.source={self.source!r} takes none")
+        reserved = sorted({"size", "seed", "instruction"} & set(self.options))
+        if reserved:
+            raise ValueError(f"task.options.{reserved[0]} is set by jetrl: use task.num_train / task.num_eval "
+                             "(size) and task.seed instead")
 
 
 @dataclass(kw_only=True)
