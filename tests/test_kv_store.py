@@ -42,6 +42,13 @@ for spec in (None, KVCacheSpec(False), KVCacheSpec(True)):
             a, b = a.nan_to_num(7.0), b.nan_to_num(7.0)  # NaN payloads may differ (the interpreter)
         assert torch.equal(a, b), (spec, name)
     assert spec is None or torch.isnan(fused.k_scale[1, 1, 0, 5]), "a NaN group gets a NaN scale"
+# a position outside the row (never produced by the engine) writes nothing, anywhere
+cache = StaticKVCache(layers, slots, Hkv, S, D, torch.bfloat16, "cpu", KVCacheSpec(False))
+before = [t.clone() for t in cache.storage(1)]
+cache.lengths.copy_(torch.tensor([S, -1, S + 5, 0, 0, 0]))
+cache.decode(3).store_fused(1, k[:3], v[:3])
+assert all(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))  # bitwise
+           for a, b in zip(cache.storage(1), before))
 print("OK")
 """
 

@@ -42,14 +42,14 @@ def _store_one(x_ptr, sxb, sxh, cache_ptr, scb, sch, scp, scale_ptr, ssb, ssh, b
 
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, lengths_ptr, ck_ptr, cv_ptr, sk_ptr, sv_ptr, num_heads,
+def _store_kv_kernel(k_ptr, v_ptr, lengths_ptr, ck_ptr, cv_ptr, sk_ptr, sv_ptr, num_heads, S,
                      skb, skh, svb, svh, scb, sch, scp, ssb, ssh,
                      D: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr, POW2: tl.constexpr,
                      EXPLICIT_ROUND: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     pos = tl.load(lengths_ptr + b).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
-    head_ok = heads < num_heads
+    head_ok = (heads < num_heads) & (pos >= 0) & (pos < S)  # a bad length never writes outside its row
     d = tl.arange(0, D)
     _store_one(k_ptr, skb, skh, ck_ptr, scb, sch, scp, sk_ptr, ssb, ssh, b, pos, heads, d, head_ok,
                FP8, POW2, EXPLICIT_ROUND)
@@ -63,7 +63,9 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, cac
     """Write k, v (B, Hkv, 1, D) at positions ``lengths[:B]`` of ``cache_k``/``cache_v`` (B, Hkv, S, D) rows.
 
     FP8 when ``k_scale``/``v_scale`` (B, Hkv, S) fp32 are given: the caches are then uint8 views of
-    the E4M3 codes. In place; no host sync (CUDA-graph capturable).
+    the E4M3 codes. In place; no host sync (CUDA-graph capturable), so a position outside [0, S) is
+    not checked but skipped: that row writes nothing (the engine never produces one; the PyTorch
+    spec raises on it).
     """
     B, H, T, D = k.shape
     assert T == 1 and v.shape == k.shape and k.stride(-1) == v.stride(-1) == 1, (k.shape, v.shape)
@@ -73,7 +75,7 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, cac
         assert k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1, (k_scale.stride(), v_scale.stride())
     ssb, ssh = (k_scale.stride(0), k_scale.stride(1)) if fp8 else (0, 0)
     _store_kv_kernel[(B,)](
-        k, v, lengths, cache_k, cache_v, k_scale if fp8 else cache_k, v_scale if fp8 else cache_v, H,
+        k, v, lengths, cache_k, cache_v, k_scale if fp8 else cache_k, v_scale if fp8 else cache_v, H, cache_k.shape[2],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         ssb, ssh, D=D, BLOCK_H=triton.next_power_of_2(H), FP8=fp8, POW2=pow2_scale,
         EXPLICIT_ROUND=explicit_round(), num_warps=4,
