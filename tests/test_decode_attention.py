@@ -39,8 +39,12 @@ TOLERANCE = {torch.bfloat16: {"atol": 1e-2, "rtol": 2**-7}, torch.float16: {"ato
              torch.float32: {"atol": 1e-5, "rtol": 1e-5}}
 
 
-def make_inputs(B, H, Hkv, S, D, lengths, dtype, fp8, *, stale_k=float("nan"), stale_v=float("inf"), seed=0):
-    """q (B, H, D) strided, k/v (B, Hkv, S, D) views of a (2, B+2, Hkv, S, D) cache, scales, lengths."""
+def make_inputs(B, H, Hkv, S, D, lengths, dtype, fp8, *, stale_k=float("nan"), stale_v=float("inf"), seed=0,
+                pow2=False):
+    """q (B, H, D) strided, k/v (B, Hkv, S, D) views of a (2, B+2, Hkv, S, D) cache, scales, lengths.
+
+    FP8 scales are amax / 448 per token-head, or with ``pow2`` the next power of two (the quantizer's
+    pow2 rule); the values span ~2^-6..2^6 across token-heads, so a tile mixes very different scales."""
     g = torch.Generator().manual_seed(seed)
     num_layers, num_slots, layer = 2, B + 2, 1
     q = torch.randn(B, H, 2, D, generator=g).to(dtype)[:, :, 0]  # a strided view, like q[:, :, 0] in kv_cache
@@ -50,11 +54,15 @@ def make_inputs(B, H, Hkv, S, D, lengths, dtype, fp8, *, stale_k=float("nan"), s
 
     def cache(stale):
         hp = torch.randn(num_layers, num_slots, Hkv, S, D, generator=g) * 2
+        if pow2:
+            hp = hp * torch.exp2(torch.randint(-6, 7, hp.shape[:-1], generator=g)).unsqueeze(-1)
         if not fp8:
             x = hp.to(dtype)
             x[~readable] = stale
             return x[layer, :B], None
         scales = hp.abs().amax(-1) / 448  # one scale per token per kv head; not a power of two
+        if pow2:
+            scales = torch.exp2(torch.ceil(torch.log2(scales)))
         codes = (hp / scales[..., None]).clamp(-448, 448).to(E4M3)
         codes.view(torch.uint8)[~readable] = 0x7E if math.isfinite(stale) else 0x7F  # 448 or NaN
         scales[~readable] = stale
@@ -180,6 +188,9 @@ def test_num_splits_rule():
     assert choose_num_splits(1, 8, 64, 64, 132) == 1
 
 
+UNIT_STRIDES = ("stride_lb", "stride_qd", "stride_kd", "stride_vd", "stride_kss", "stride_vss", "stride_od")
+
+
 def test_gpu_branches_compile_for_hopper():
     """The interpreter runs the kernels' EMULATE branches; this compiles the GPU branches (tensor-core
     dots, hardware casts, the software-pipelined loop) for sm_90 with Triton's bundled ptxas, no GPU."""
@@ -188,16 +199,23 @@ def test_gpu_branches_compile_for_hopper():
 
     from jetrl.engine.kernels import decode_attention_triton as kernels
 
-    def compile_sm90(fn, constexprs, pointers):
-        return compile_for_sm90(fn, constexprs, pointers, floats=("qk_scale",))
+    def compile_sm90(fn, constexprs, pointers, **options):
+        return compile_for_sm90(fn, constexprs, pointers, floats=("qk_scale",), **options)
 
-    for is_fp8, num_splits in ((False, 1), (True, 4)):
+    # every cache kind at its default tiles; G = 1 (MHA) and G = 8 too
+    for (kind, (block_s, warps, stages)), G, num_splits in zip(kernels.DEFAULT_TILES.items(), (4, 1, 8), (1, 4, 2)):
+        is_fp8 = kind.startswith("fp8")
         cache = "*u8" if is_fp8 else "*bf16"
-        constexprs = {"G": 4, "DTYPE": tl.bfloat16, "BLOCK_G": 16, "BLOCK_S": 64, "BLOCK_D": 128,
-                      "NUM_SPLITS": num_splits, "IS_FP8": is_fp8, "EMULATE": False}
+        constexprs = {"G": G, "DTYPE": tl.bfloat16, "BLOCK_G": G, "BLOCK_S": block_s, "BLOCK_D": 128,
+                      "NUM_SPLITS": num_splits, "IS_FP8": is_fp8, "POW2_SCALES": kind == "fp8 pow2", "EMULATE": False,
+                      **dict.fromkeys(UNIT_STRIDES, 1)}  # as a launch specializes them (contiguous rows)
         pointers = {"q_ptr": "*bf16", "out_ptr": "*bf16", "lengths_ptr": "*i64", "k_ptr": cache, "v_ptr": cache}
-        compiled = compile_sm90(kernels._decode_attention_kernel, constexprs, pointers)
-        assert "mma.sync" in compiled.asm["ptx"] and compiled.asm["cubin"]
+        compiled = compile_sm90(kernels._decode_attention_kernel, constexprs, pointers, num_warps=warps,
+                                num_stages=stages)
+        ptx = compiled.asm["ptx"]
+        assert ("mma.sync" in ptx or "wgmma" in ptx) and compiled.asm["cubin"], kind
+        if kind == "fp8 pow2":  # V's codes become fp16 where they are loaded (module docstring)
+            assert "cvt.rn.f16x2.e4m3x2" in ptx and "ld.shared.u8" not in ptx and "ld.shared.b8" not in ptx
     constexprs = {"DTYPE": tl.bfloat16, "NUM_SPLITS": 4, "SPLITS_P2": 4, "BLOCK_S": 64, "BLOCK_D": 128,
                   "EMULATE": False}
     merge = compile_sm90(kernels._merge_splits_kernel, constexprs, {"lengths_ptr": "*i64", "out_ptr": "*bf16"})
@@ -261,6 +279,23 @@ for num_splits in (1, 3):
     out = decode_attention_triton(q, k, v, wild, k_scales=ks, v_scales=vs, block_s=16, num_splits=num_splits)
     ref = decode_attention_reference(q, k, v, wild, k_scales=ks, v_scales=vs)
     torch.testing.assert_close(out, ref, **TOLERANCE[bf16])
+# Power-of-two scales with the scales kept out of the dots (pow2_scales=True): the same math, so the
+# same tolerance, across splits and tiles; a q whose elements span 2^-30..2^4 (the fp16 prescale
+# keeps every one that matters), and a sharp softmax as above.
+for i, (H, Hkv, D, num_splits, block_s, sharp) in enumerate(
+        [(8, 2, 128, 1, 32, False), (8, 2, 64, 3, 16, False), (4, 4, 64, 1, 64, True), (8, 2, 128, 2, 16, True)]):
+    q, k, v, lengths, ks, vs = make_inputs(len(LENGTHS), H, Hkv, S, D, LENGTHS, bf16, True, seed=50 + i, pow2=True)
+    if sharp:
+        q = (q.float() * 8).to(bf16)
+    q[1, :, : D // 2] = (q[1, :, : D // 2].float() * 2.0**-30).to(bf16)  # tiny next to O(1)
+    ref = decode_attention_reference(q, k, v, lengths, k_scales=ks, v_scales=vs)
+    out = decode_attention_triton(q, k, v, lengths, k_scales=ks, v_scales=vs, pow2_scales=True, block_s=block_s,
+                                  num_splits=num_splits)
+    case = ("pow2", H, Hkv, D, num_splits, block_s, sharp)
+    torch.testing.assert_close(out, ref, **TOLERANCE[bf16], msg=lambda m: f"{case}: {m}")
+    v0 = dequantized(v, vs, bf16)[0, :, 0].repeat_interleave(H // Hkv, dim=0)
+    assert torch.equal(out[0], v0), case
+    print(case, f"max |kernel - reference| = {(out.float() - ref.float()).abs().max().item():.2e}")
 print(f"OK {time.time() - start:.1f}s")
 """
 

@@ -196,7 +196,7 @@ def test_bf16_kv_recipes_keep_a_model_dtype_cache():
 
 
 # ----------------------------------------------------------------------------- 4. the fused-decode protocol
-def _reference_decode_attention(q, k, v, lengths, *, k_scales=None, v_scales=None, sm_scale=None):
+def _reference_decode_attention(q, k, v, lengths, *, k_scales=None, v_scales=None, sm_scale=None, pow2_scales=False):
     """Stand-in for jetrl.engine.decode_attention.decode_attention with its documented contract."""
     H, (Hkv, S) = q.shape[1], k.shape[1:3]
     if k_scales is not None:
@@ -236,8 +236,11 @@ def test_decode_view_attend_protocol_matches_the_reference_path(monkeypatch, rec
     if recipe == "jet_kv":
         assert k.dtype == v.dtype == torch.float8_e4m3fn
         assert kwargs["k_scales"].dtype == kwargs["v_scales"].dtype == torch.float32
+        # the cache declares its power-of-two scales, and they are
+        assert kwargs["pow2_scales"] and torch.equal(kwargs["k_scales"], torch.exp2(torch.log2(kwargs["k_scales"]).round()))
     else:
         assert k.dtype == v.dtype == torch.float32 and kwargs["k_scales"] is None and kwargs["v_scales"] is None
+        assert not kwargs["pow2_scales"]
     # strided views of the cache, not copies
     assert k.data_ptr() == fused.cache.k[0].data_ptr() and v.data_ptr() == fused.cache.v[0].data_ptr()
     assert kwargs["sm_scale"] == 64 ** -0.5

@@ -58,26 +58,29 @@ def test_kv_cache_recipes():
     assert jet.rollout_ops is None and jet.kv_cache("train") is None and jet.kv_cache("rollout") is None
     # jet_kv = jet + the same FP8 KV spec in both phases: on-policy, the KV op takes part in the check
     assert (jet_kv.train, jet_kv.rollout) == (jet.train, jet.rollout)
-    assert jet_kv.kv_cache("train") == jet_kv.kv_cache("rollout") == KVCacheSpec()
-    assert str(jet_kv.forward_graph("train")["kv_cache"]) == "e4m3/token-head"
+    # (its KV scales are powers of two: the decode kernel keeps them out of its dots, exactly)
+    assert jet_kv.kv_cache("train") == jet_kv.kv_cache("rollout") == KVCacheSpec(pow2_scale=True)
+    assert str(jet_kv.forward_graph("train")["kv_cache"]) == "e4m3/token-head/pow2"
     meta = jet_kv.metadata()
     assert meta["on_policy"] and meta["train_fp8_kv"] and meta["rollout_fp8_kv"] and not meta["declared_off_policy"]
+    assert meta["kv_pow2_scale"] and not meta["pow2_scale"]  # the linears keep the paper's fp32 scales
     # fp8kv_rollout: BF16 linears in both phases, FP8 KV only in the rollout -> declared off-policy
     assert not (off.train.is_fp8 or off.rollout.is_fp8) and off.off_policy
-    assert off.kv_cache("train") is None and off.kv_cache("rollout") == KVCacheSpec()
+    assert off.kv_cache("train") is None and off.kv_cache("rollout") == KVCacheSpec(pow2_scale=True)
     assert check_rollout_subgraph(off) == {"on_policy": False, "mismatched_ops": ["kv_cache"]}
     # the same flow without the declaration is refused by the check, and so by the FP8 transform
     undeclared = dataclasses.replace(off, name="kv_undeclared", off_policy=False)
-    with pytest.raises(OffPolicyRecipeError, match=r"kv_undeclared.*kv_cache: train=bf16 rollout=e4m3/token-head"):
+    with pytest.raises(OffPolicyRecipeError, match=r"kv_undeclared.*kv_cache: train=bf16 rollout=e4m3/token-head/pow2"):
         check_rollout_subgraph(undeclared)
     with pytest.raises(OffPolicyRecipeError):
         convert_to_float8(_tiny_model(), undeclared)
-    # pow2 applies to the KV cache too, on both sides; pow2 KV in the rollout only is a mismatch
+    # +pow2 adds the linears; the KV cache keeps its pow2 spec on both sides
     pow2 = get_recipe("jet_kv", pow2_scale=True)
     assert pow2.name == "jet_kv+pow2" and pow2.kv_cache("train") == pow2.kv_cache("rollout") == KVCacheSpec(True)
     assert check_rollout_subgraph(pow2)["on_policy"] and pow2.metadata()["pow2_scale"]
-    assert get_recipe("fp8kv_rollout", pow2_scale=True).kv_cache("rollout").pow2_scale
-    half = dataclasses.replace(jet_kv, name="kv_pow2_rollout", rollout_ops={**jet_kv.ops, "kv_cache": KVCacheSpec(True)})
+    # fp32 KV scales in training with pow2 ones in the rollout is a mismatch (different codes)
+    half = dataclasses.replace(jet_kv, name="kv_pow2_rollout", ops={**jet_kv.ops, "kv_cache": KVCacheSpec(False)},
+                               rollout_ops=jet_kv.ops)
     with pytest.raises(OffPolicyRecipeError, match="kv_cache: train=e4m3/token-head rollout=e4m3/token-head/pow2"):
         check_rollout_subgraph(half)
 

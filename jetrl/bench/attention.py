@@ -6,8 +6,9 @@ CUDA-graph replay. Effective TB/s counts the bytes a row *must* read: its valid 
 positions (and, for FP8, their per-token-head scales). The baseline is SDPA over the same
 BF16 cache with a mask, which is what the engine ran before this kernel: it reads every
 position of the fixed-length rows, valid or not. A third row runs the BF16 cache at half the
-context, i.e. the FP8 cache's bytes with BF16 arithmetic: the gap between it and the FP8 row is
-the cost of the FP8 operands, not of HBM. Correctness: the kernel's output against
+context, i.e. the FP8 cache's bytes with BF16 arithmetic: the gap between it and the FP8 rows is
+the cost of the FP8 operands, not of HBM. The FP8 cache is timed with fp32 scales (dequantized in
+the loop) and with power-of-two scales (``jet_kv``'s, kept out of the dots). Correctness: the kernel's output against
 :func:`~jetrl.engine.decode_attention.decode_attention_reference` (relative error).
 """
 
@@ -40,18 +41,24 @@ def decode_attention_rows(cfg: BenchConfig, device: torch.device, lengths: list[
     sdpa_us = graph_time_us(lambda: F.scaled_dot_product_attention(q_folded, k, v, attn_mask=mask), device,
                             calls=cfg.graph_calls, replays=cfg.graph_replays)
     rows = []
-    # FP8 cache: random per-token-head scales (not powers of two, as the quantizer makes them)
+    # FP8 caches: random per-token-head scales, fp32 (the quantizer's default rule) or powers of two
+    # (jet_kv's KV spec, which the kernel keeps out of its dots)
     k_scales = (0.1 + 0.05 * torch.rand(B, Hkv, S, generator=gen)).to(device)
     v_scales = (0.1 + 0.05 * torch.rand(B, Hkv, S, generator=gen)).to(device)
+    k_pow2, v_pow2 = (torch.exp2(torch.ceil(torch.log2(s))) for s in (k_scales, v_scales))
     fp8 = {"k": (k / k_scales[..., None]).to(E4M3), "v": (v / v_scales[..., None]).to(E4M3),
            "kw": {"k_scales": k_scales, "v_scales": v_scales}}
+    fp8_pow2 = {"k": (k / k_pow2[..., None]).to(E4M3), "v": (v / v_pow2[..., None]).to(E4M3),
+                "kw": {"k_scales": k_pow2, "v_scales": v_pow2, "pow2_scales": True}}
     half = lengths_t // 2  # the FP8 cache's bytes, read with BF16 arithmetic
     variants = [("bf16 cache", k, v, {}, lengths_t, 2),
                 ("bf16 cache, half context", k, v, {}, half, 2),
-                ("fp8 cache", fp8["k"], fp8["v"], fp8["kw"], lengths_t, 1)]
+                ("fp8 cache, fp32 scales", fp8["k"], fp8["v"], fp8["kw"], lengths_t, 1),
+                ("fp8 cache, pow2 scales (jet_kv)", fp8_pow2["k"], fp8_pow2["v"], fp8_pow2["kw"], lengths_t, 1)]
     for label, kk, vv, kw, lens, elem in variants:
         out = decode_attention(q, kk, vv, lens, **kw)
-        err = rel_err(out, decode_attention_reference(q, kk, vv, lens, **kw))
+        ref_kw = {key: val for key, val in kw.items() if key != "pow2_scales"}  # the reference's math is the same
+        err = rel_err(out, decode_attention_reference(q, kk, vv, lens, **ref_kw))
         us = graph_time_us(lambda kk=kk, vv=vv, kw=kw, lens=lens: decode_attention(q, kk, vv, lens, **kw), device,
                            calls=cfg.graph_calls, replays=cfg.graph_replays)
         n_valid = int((lens + 1).sum())

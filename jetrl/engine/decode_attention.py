@@ -107,19 +107,28 @@ def decode_attention(
     k_scales: Tensor | None = None,
     v_scales: Tensor | None = None,
     sm_scale: float | None = None,
+    pow2_scales: bool = False,
 ) -> Tensor:
     """Attention of each row's pending token over its cached keys ``0..lengths[b]`` (inclusive).
 
     q (B, H, D) in the model dtype; k, v (B, Hkv, S, D), possibly strided views, in q.dtype or as
     float8_e4m3fn codes with fp32 ``k_scales``/``v_scales`` (B, Hkv, S); lengths (B,) int64;
     ``sm_scale`` defaults to 1/sqrt(D). Returns (B, H, D) in q.dtype. No host sync on the GPU.
+
+    ``pow2_scales=True`` declares that every scale is a power of two (a cache written under a
+    ``KVCacheSpec(pow2_scale=True)``, as ``jet_kv``'s); the kernel then keeps the scales out of its dots,
+    exact for such scales (kernels/decode_attention_triton.py). The result is the same math either way;
+    with other scales the declaration only costs the rounding of ``codes * scale`` to the model
+    dtype, so it cannot produce garbage, but it is not faithful to the reference.
     """
     _validate(q, k, v, lengths, k_scales, v_scales)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     if q.shape[0] == 0:
         return torch.empty_like(q)
-    impl = _implementation(decode_attention_backend(q.device), q.device)
-    return impl(q, k, v, lengths, k_scales=k_scales, v_scales=v_scales, sm_scale=sm_scale)
+    backend = decode_attention_backend(q.device)
+    impl = _implementation(backend, q.device)
+    kw = {"pow2_scales": pow2_scales} if backend == "triton" else {}
+    return impl(q, k, v, lengths, k_scales=k_scales, v_scales=v_scales, sm_scale=sm_scale, **kw)
 
 
 # ---------------------------------------------------------------------------------------

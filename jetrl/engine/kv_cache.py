@@ -269,5 +269,6 @@ class DecodeView:
         k_scales = cache.k_scale[layer_idx, :B] if cache.is_fp8 else None
         v_scales = cache.v_scale[layer_idx, :B] if cache.is_fp8 else None
         out = decode_attention(q[:, :, 0], cache.k[layer_idx, :B], cache.v[layer_idx, :B], cache.lengths[:B],
-                               k_scales=k_scales, v_scales=v_scales, sm_scale=q.shape[-1] ** -0.5)
+                               k_scales=k_scales, v_scales=v_scales, sm_scale=q.shape[-1] ** -0.5,
+                               pow2_scales=cache.is_fp8 and cache.kv_spec.pow2_scale)
         return out.unsqueeze(2)

@@ -2,20 +2,22 @@
 :func:`jetrl.engine.decode_attention.decode_attention_reference` (the math is in that module).
 
 Grid and tiles. One program per (row b, kv head, split) handles all ``G = H / Hkv`` query heads
-of its kv head together, so each K/V tile is loaded from HBM once, not G times. The G query rows
-are padded to BLOCK_G = max(16, next_pow2(G)) so both products run on tensor cores (tl.dot needs
-M, N, K >= 16; at M = 16 Triton emits mma.sync, not wgmma). The padding is free because decode is
-memory-bound: G = 4 (H = 32, Hkv = 8) is 4 useful FLOPs per byte of BF16 K/V, 24 as issued with the
-padding and the hi/lo split below, against the ~200 FLOPs per byte of HBM that Hopper's tensor
-cores sustain. A broadcast multiply + sum on CUDA cores would spend fp32 FMAs at a similar ratio,
-which FP8 K/V (twice the positions per byte) would push close to the FMA limit.
+of its kv head together, so each K/V tile is loaded from HBM once, not G times. Both products are
+taken *transposed*, with the positions as the tensor-core M dimension and the G heads as N::
 
-    q       (BLOCK_G, BLOCK_D)   loaded once, model dtype
+    q^T     (BLOCK_D, BLOCK_G)   loaded once; BLOCK_G = next_pow2(G), Triton pads N to the mma's 8
     for tiles of BLOCK_S positions in [start, end):
-        K_hat   (BLOCK_S, BLOCK_D)   model dtype (FP8: codes -> fp32 * per-token scale -> RNE cast)
-        t       = (q @ K_hat^T) * sm_scale * log2(e)            (BLOCK_G, BLOCK_S) fp32
-        online softmax update of (m, l, acc) in fp32            (base 2, module docstring)
-        V_hat   (BLOCK_S, BLOCK_D);  acc += P @ V_hat           P split as hi + lo in the model dtype
+        K_hat   (BLOCK_S, BLOCK_D)   A operand, K-major as stored (D contiguous)
+        t^T     = (K_hat @ q^T) * sm_scale * log2(e)          (BLOCK_S, BLOCK_G) fp32
+        online softmax update of (m, l, acc^T) in fp32         (base 2, module docstring)
+        acc^T  += V_hat^T @ P^T                                V_hat^T: (BLOCK_D, BLOCK_S) A operand
+
+Why transposed: G = 4 (H = 32, Hkv = 8) as M would be padded to the mma's 16 rows, and the
+padded q, P and accumulator tiles cost registers (210 per thread at 128 positions), which capped
+the SMs at 8 warps; as N it is padded to 8 only. One warp per program (the sweep's best) keeps P
+in the warp that computed it -- no shared-memory exchange, no barrier per tile -- and many
+programs per SM hide the latency instead. The padding is free either way: decode is memory-bound
+(G = 4 is a few FLOPs per byte of K/V against ~200 per byte that the tensor cores sustain).
 
 The loop runs to the row's own end, ``lengths[b] + 1`` read inside the kernel, never to S: the
 stale tail of the static cache costs no bytes, and with no host sync the launch is CUDA-graph
@@ -30,26 +32,40 @@ fixed order. :func:`choose_num_splits` picks the count from shapes only (at leas
 each split at least 2 tiles long), so a given shape always gives the same bits. A row's bits do
 depend on ``num_splits``, hence on the batch size; pass ``num_splits`` to pin them.
 
-Numerics. Both products multiply model-dtype values exactly and accumulate in fp32. P @ V uses
-P = hi + lo (both in the model dtype; P - hi is exact in fp32), two tensor-core products that
-keep ~16 bits of each probability instead of the 8 of a plain BF16 cast. fp32 models use IEEE
-fp32 dots. The dequantization rounds to the model dtype with the hardware RNE cast on the GPU.
+Numerics, model-dtype cache and FP8 with fp32 scales. Both products multiply model-dtype values
+exactly and accumulate in fp32. FP8 codes are dequantized in registers exactly as
+``dequantize_kv``: fp32 ``codes * scale``, one RNE rounding to the model dtype. P^T @ V uses
+P = hi + lo (both in the model dtype; P - hi is exact in fp32), two tensor-core products that keep
+~16 bits of each probability instead of the 8 of a plain BF16 cast. fp32 models use IEEE fp32 dots.
 
-FP8 cost (H200, B = 256, mean context 640, docs/benchmarks.md): the FP8 loop takes ~185 µs against
-~165 µs for the BF16 one, while the BF16 loop over the same bytes (half the context) takes ~90 µs, so
-it is bound by turning the codes into tensor-core operands, not by HBM. V is the hard operand: its
-reduction axis (positions) is not contiguous, and there is no 8-bit ldmatrix.trans, so Triton moves
-it through shared memory byte by byte (64 ld.shared.b8 per thread per tile in its PTX). Measured
-and dropped (docs/benchmarks.md, section d): the scales outside the dots (3% faster with bf16
-codes, but it skips the bf16 rounding of c * s that the trainer's fake quantization applies; no
-faster with fp16 codes), E4M3 tensor-core dots (q and P split into E4M3 terms; Triton upcasts at 16
-rows and pads to 64 rows for wgmma), a transposed V cache, and length masks loosened for
-vectorized loads -- as fast or slower.
+Numerics, FP8 with power-of-two scales (``pow2_scales``, the ``jet_kv`` cache). With s = 2^k,
+``codes * s`` is exact and so is every product with it, so the scales leave the dots with no
+rounding difference (up to fp32 summation order, as everywhere here):
+
+    t_j  = (q . c_j) s_j sm_scale                  q . c_j on tensor cores in fp16: codes are exact
+                                                   in fp16, and q enters as fp16(q 2^e) with 2^e
+                                                   putting max|q| in [2^13, 2^14): exact for every
+                                                   element >= max|q| 2^-31 (the rest are below
+                                                   fp32 rounding of the sum); 2^-e goes into sm_scale
+    sum_j p_j V_hat_j = s_max sum_j (p_j s_j / s_max) c_j      s_max: the tile's largest V scale
+
+The factor ``p_j s_j / s_max`` <= 1 is exact in fp32 and split as hi + lo in fp16 (22 bits where
+it is >= 2^-3, an absolute error <= 2^-25 below), so the only per-element work left is the
+hardware E4M3 -> fp16 conversion. V's reduction axis (positions) is not contiguous, and with 8-bit
+codes Triton moves V into the mma layout one ld.shared.b8 per element; the conversion to fp16 is
+therefore pinned (impure inline PTX) before that move, which then uses ldmatrix.trans.
+
+Cost (H200, B = 256, mean context 650, bench/sweep_decode_attention.py, 2026-11-30): BF16 cache
+184 µs (3.7 TB/s of valid K/V); FP8 with fp32 scales 162 µs; FP8 with pow2 scales 118 µs (3.0 TB/s,
+1.56x the BF16 cache). At B = 64, 3.6K context: 232, 193 and 135 µs (1.72x). Measured and dropped
+before this layout (docs/benchmarks.md, section d): fp16 codes with fp32 scales outside the dots,
+E4M3 tensor-core dots, a transposed V cache, loosened length masks.
 
 Interpreter (TRITON_INTERPRET=1, the CPU tests): its tl.dot multiplies the raw uint16 storage of
 bf16 operands and its fp32 -> bf16 cast truncates, so with EMULATE the dots are taken in IEEE
-fp32 on the same (exactly upcast) operands and the bf16 rounding is done on the fp32 bits. Same
-values as the GPU path, up to summation order.
+fp32 on the same (exactly upcast) operands and the bf16 rounding is done on the fp32 bits; the
+E4M3 conversion is a plain cast (inline PTX cannot run there). Same values as the GPU path, up to
+summation order.
 """
 
 from __future__ import annotations
@@ -66,6 +82,8 @@ PROGRAMS_PER_SM = 4  # split rule: grid of >= 4 programs per SM (loads in flight
 MIN_SPLIT_TILES = 2  # a split covers at least this many BLOCK_S tiles of the longest possible row
 MAX_SPLITS = 32
 DEFAULT_NUM_SMS = 132  # H100 / H200; used off-GPU (interpreter)
+# (block_s, num_warps, num_stages) per cache kind: the H200 sweep's best (bench/sweep_decode_attention.py)
+DEFAULT_TILES = {"model dtype": (32, 1, 2), "fp8": (32, 1, 3), "fp8 pow2": (32, 1, 3)}
 _EMULATE = INTERPRET
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -82,39 +100,86 @@ def _dot(a, b, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _load_kv(row_ptr, scale_row_ptr, pos, offs_d, stride_s, stride_d, stride_scale, s_mask, d_mask,
-             DTYPE: tl.constexpr, IS_FP8: tl.constexpr, EMULATE: tl.constexpr):
-    """A (BLOCK_S, BLOCK_D) tile of K or V in DTYPE, masked (stale or padded) entries 0."""
-    x = tl.load(row_ptr + pos[:, None] * stride_s + offs_d[None, :] * stride_d,
-                mask=s_mask[:, None] & d_mask[None, :], other=0)
-    if IS_FP8:  # uint8 codes -> e4m3 -> fp32, times the token's scale, one rounding (kv_quant.dequantize_kv)
-        scale = tl.load(scale_row_ptr + pos * stride_scale, mask=s_mask, other=0.0)
-        codes = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        x = round_to(codes * scale[:, None], DTYPE, EMULATE)
-    return x
+def _e4m3_to_f16(codes, EMULATE: tl.constexpr):
+    """uint8 E4M3 codes -> fp16 (exact), converted where they are loaded.
+
+    On the GPU this is PTX ``cvt.rn.f16x2.e4m3x2`` marked impure, so that the compiler cannot move
+    it behind the shared-memory layout change of a tl.dot operand: V's reduction axis is not
+    contiguous, and moving 8-bit codes into the mma layout costs one ld.shared.b8 per element
+    (module docstring), while fp16 values move with ldmatrix.trans.
+    """
+    if EMULATE:
+        return codes.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [codes], dtype=tl.float16, is_pure=False, pack=4)
 
 
 @triton.jit
-def _attend_tile(q, m, l, acc, tile_start, end, offs_s, offs_d, d_mask, qk_scale,
+def _load_tile(row_ptr, pos, offs_d, stride_s, stride_d, s_mask, d_mask):
+    """A (BLOCK_S, BLOCK_D) tile of the cache in its storage dtype, masked (stale or padded) entries 0."""
+    return tl.load(row_ptr + pos[:, None] * stride_s + offs_d[None, :] * stride_d,
+                   mask=s_mask[:, None] & d_mask[None, :], other=0)
+
+
+@triton.jit
+def _dequantized(codes, scale_row_ptr, pos, stride_scale, s_mask, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """rnd(f32(codes) * scale): kv_quant.dequantize_kv in registers, one rounding to DTYPE."""
+    scale = tl.load(scale_row_ptr + pos * stride_scale, mask=s_mask, other=0.0)
+    return round_to(_e4m3_to_f16(codes, EMULATE).to(tl.float32) * scale[:, None], DTYPE, EMULATE)
+
+
+@triton.jit
+def _attend_tile(qT, m, l, accT, tile_start, end, offs_s, offs_d, d_mask, qk_scale,
                  k_row, ks_row, stride_ks, stride_kd, stride_kss, v_row, vs_row, stride_vs, stride_vd, stride_vss,
-                 DTYPE: tl.constexpr, IS_FP8: tl.constexpr, EMULATE: tl.constexpr):
-    """One BLOCK_S tile of the online softmax: returns the updated (m, l, acc)."""
+                 DTYPE: tl.constexpr, IS_FP8: tl.constexpr, POW2_SCALES: tl.constexpr, EMULATE: tl.constexpr):
+    """One BLOCK_S tile of the online softmax, transposed (module docstring): the updated (m, l, accT)."""
     pos = tile_start + offs_s
     s_mask = pos < end
-    k = _load_kv(k_row, ks_row, pos, offs_d, stride_ks, stride_kd, stride_kss, s_mask, d_mask, DTYPE, IS_FP8, EMULATE)
-    t = _dot(q, tl.trans(k), EMULATE) * qk_scale  # (BLOCK_G, BLOCK_S) base-2 logits
-    t = tl.where(s_mask[None, :], t, float("-inf"))
-    m_new = tl.maximum(m, tl.max(t, axis=1))  # finite: every tile holds a valid position
+    k = _load_tile(k_row, pos, offs_d, stride_ks, stride_kd, s_mask, d_mask)
+    if POW2_SCALES:  # qT is fp16 q^T * 2^e (kernel); the K scales go outside the dot, exactly
+        k_scale = tl.load(ks_row + pos * stride_kss, mask=s_mask, other=0.0)
+        k = k.to(tl.float8e4nv, bitcast=True).to(tl.float16)  # the A operand is K-major: no layout change
+        tT = _dot(k, qT, EMULATE) * (k_scale * qk_scale)[:, None]
+    else:
+        if IS_FP8:
+            k = _dequantized(k, ks_row, pos, stride_kss, s_mask, DTYPE, EMULATE)
+        tT = _dot(k, qT, EMULATE) * qk_scale  # (BLOCK_S, BLOCK_G) base-2 logits
+    tT = tl.where(s_mask[:, None], tT, float("-inf"))
+    m_new = tl.maximum(m, tl.max(tT, axis=0))  # finite: every tile holds a valid position
     alpha = tl.exp2(m - m_new)
-    p = tl.exp2(t - m_new[:, None])
-    v = _load_kv(v_row, vs_row, pos, offs_d, stride_vs, stride_vd, stride_vss, s_mask, d_mask, DTYPE, IS_FP8, EMULATE)
-    if DTYPE == tl.float32:
-        pv = _dot(p, v, EMULATE)
-    else:  # p = hi + lo, both in DTYPE; p - hi is exact in fp32 (module docstring)
-        p_hi = p.to(DTYPE)
-        p_lo = (p - p_hi.to(tl.float32)).to(DTYPE)
-        pv = _dot(p_hi, v, EMULATE) + _dot(p_lo, v, EMULATE)
-    return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+    pT = tl.exp2(tT - m_new[None, :])
+    v = _load_tile(v_row, pos, offs_d, stride_vs, stride_vd, s_mask, d_mask)
+    if POW2_SCALES:  # P V_hat = s_max (P * (s / s_max)) codes, all factors exact (module docstring)
+        v_scale = tl.load(vs_row + pos * stride_vss, mask=s_mask, other=0.0)
+        s_max = tl.max(v_scale, axis=0)
+        pw = pT * (v_scale / s_max)[:, None]
+        p_hi = pw.to(tl.float16)
+        p_lo = (pw - p_hi.to(tl.float32)).to(tl.float16)
+        vT = tl.trans(_e4m3_to_f16(v, EMULATE))
+        pv = (_dot(vT, p_hi, EMULATE) + _dot(vT, p_lo, EMULATE)) * s_max
+    else:
+        if IS_FP8:
+            v = _dequantized(v, vs_row, pos, stride_vss, s_mask, DTYPE, EMULATE)
+        vT = tl.trans(v)
+        if DTYPE == tl.float32:
+            pv = _dot(vT, pT, EMULATE)
+        else:  # p = hi + lo, both in DTYPE; p - hi is exact in fp32 (module docstring)
+            p_hi = pT.to(DTYPE)
+            p_lo = (pT - p_hi.to(tl.float32)).to(DTYPE)
+            pv = _dot(vT, p_hi, EMULATE) + _dot(vT, p_lo, EMULATE)
+    return m_new, l * alpha + tl.sum(pT, axis=0), accT * alpha[None, :] + pv
+
+
+@triton.jit
+def _fp16_pow2_scaled(q, EMULATE: tl.constexpr):
+    """(fp16 q * 2^e, 2^e) with max|q * 2^e| in [2^13, 2^14): exact for every |q| >= max|q| * 2^-31."""
+    qf = q.to(tl.float32)
+    qmax = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
+    e = tl.minimum(tl.maximum(140 - ((qmax.to(tl.int32, bitcast=True) >> 23) & 0xFF), -126), 127)
+    f = ((e + 127) << 23).to(tl.float32, bitcast=True)  # 2^e from its exponent bits: exact
+    return (qf * f).to(tl.float16), f
 
 
 @triton.jit
@@ -134,7 +199,7 @@ def _decode_attention_kernel(
     stride_vsb, stride_vsh, stride_vss,
     stride_ob, stride_oh, stride_od,
     G: tl.constexpr, DTYPE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr, EMULATE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr, POW2_SCALES: tl.constexpr, EMULATE: tl.constexpr,
 ):
     pid, split = tl.program_id(0), tl.program_id(1)
     b = (pid // num_kv_heads).to(tl.int64)  # int64: b * stride_kb can pass 2^31 on a large cache
@@ -150,6 +215,10 @@ def _decode_attention_kernel(
     heads = kv_head * G + offs_g  # query heads of this kv head
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_G, BLOCK_D)
+    if POW2_SCALES:
+        q, q_factor = _fp16_pow2_scaled(q, EMULATE)
+        qk_scale = qk_scale / q_factor  # exact: a power of two
+    qT = tl.trans(q)  # (BLOCK_D, BLOCK_G): the B operand of K @ q^T
     k_row = k_ptr + b * stride_kb + kv_head * stride_kh
     v_row = v_ptr + b * stride_vb + kv_head * stride_vh
     ks_row = k_scales_ptr + b * stride_ksb + kv_head * stride_ksh
@@ -157,33 +226,33 @@ def _decode_attention_kernel(
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max of base-2 logits
     l = tl.zeros([BLOCK_G], tl.float32)  # running sum of 2^(t - m)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)  # running sum of 2^(t - m) V_hat
+    accT = tl.zeros([BLOCK_D, BLOCK_G], tl.float32)  # running sum of 2^(t - m) V_hat, transposed
     if EMULATE:  # the interpreter cannot take a loaded scalar as a range() bound (its int() fails on numpy 2.4)
         tile_start = start
         while tile_start < end:
-            m, l, acc = _attend_tile(q, m, l, acc, tile_start, end, offs_s, offs_d, d_mask, qk_scale,
+            m, l, accT = _attend_tile(qT, m, l, accT, tile_start, end, offs_s, offs_d, d_mask, qk_scale,
                                      k_row, ks_row, stride_ks, stride_kd, stride_kss,
                                      v_row, vs_row, stride_vs, stride_vd, stride_vss,
-                                     DTYPE, IS_FP8, EMULATE)
+                                     DTYPE, IS_FP8, POW2_SCALES, EMULATE)
             tile_start += BLOCK_S
     else:  # a for loop, so that Triton software-pipelines the K/V loads (num_stages)
         for tile_start in range(start, end, BLOCK_S):
-            m, l, acc = _attend_tile(q, m, l, acc, tile_start, end, offs_s, offs_d, d_mask, qk_scale,
+            m, l, accT = _attend_tile(qT, m, l, accT, tile_start, end, offs_s, offs_d, d_mask, qk_scale,
                                      k_row, ks_row, stride_ks, stride_kd, stride_kss,
                                      v_row, vs_row, stride_vs, stride_vd, stride_vss,
-                                     DTYPE, IS_FP8, EMULATE)
+                                     DTYPE, IS_FP8, POW2_SCALES, EMULATE)
 
-    out_mask = g_mask[:, None] & d_mask[None, :]
+    out_mask = d_mask[:, None] & g_mask[None, :]  # (BLOCK_D, BLOCK_G), as accT
     if NUM_SPLITS == 1:
-        out = round_to(acc / l[:, None], DTYPE, EMULATE)
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od, out,
+        out = round_to(accT / l[None, :], DTYPE, EMULATE)
+        tl.store(out_ptr + b * stride_ob + heads[None, :] * stride_oh + offs_d[:, None] * stride_od, out,
                  mask=out_mask)
     else:
         used = start < end
         l_safe = tl.where(l > 0, l, 1.0)  # l >= 1 in a used split; avoids 0/0 in an unused one
         part = (b * num_kv_heads * G + heads) * NUM_SPLITS + split  # scratch is (B, H, NUM_SPLITS[, D])
         tl.store(part_lse_ptr + part, m + tl.log2(l_safe), mask=g_mask & used)
-        tl.store(part_out_ptr + part[:, None] * D + offs_d[None, :], acc / l_safe[:, None], mask=out_mask & used)
+        tl.store(part_out_ptr + part[None, :] * D + offs_d[:, None], accT / l_safe[None, :], mask=out_mask & used)
 
 
 @triton.jit
@@ -232,24 +301,27 @@ def decode_attention_triton(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
     sm_scale: float | None = None,
+    pow2_scales: bool = False,
     block_s: int | None = None,
     num_splits: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Same signature and result as ``decode_attention_reference``: (B, H, D) in q.dtype.
 
     ``block_s``, ``num_splits`` (None: :func:`choose_num_splits`), ``num_warps`` and ``num_stages``
-    exist for the bench's sweep. Inputs are validated by the public ``decode_attention``. The default
-    ``block_s`` is the sweep's best on the H200: 32 positions for a BF16 cache (5-10% faster than 64
-    at 4K context, equal at 640), 64 for an FP8 one.
+    (None: ``DEFAULT_TILES``, the H200 sweep's best per cache kind) exist for the bench's sweep.
+    Inputs are validated by the public ``decode_attention``. ``pow2_scales``: see
+    ``decode_attention``; it selects the scales-outside path for an FP8 cache.
     """
     B, H, D = q.shape
     _, Hkv, S, _ = k.shape
     is_fp8 = k.dtype == E4M3
     assert k.shape == v.shape == (B, Hkv, S, D) and H % Hkv == 0, (q.shape, k.shape, v.shape)
     assert k.dtype == v.dtype and (is_fp8 or k.dtype == q.dtype) and (k_scales is not None) == is_fp8
-    block_s = block_s or (64 if is_fp8 else 32)
+    kind = ("fp8 pow2" if pow2_scales else "fp8") if is_fp8 else "model dtype"
+    default_block_s, default_warps, default_stages = DEFAULT_TILES[kind]
+    block_s, num_warps, num_stages = block_s or default_block_s, num_warps or default_warps, num_stages or default_stages
     assert block_s >= 16 and block_s & (block_s - 1) == 0, block_s
     sm_scale = D**-0.5 if sm_scale is None else sm_scale
     if num_splits is None:
@@ -275,8 +347,8 @@ def decode_attention_triton(
         q, k, v, ks, vs, lengths, out, part_out, part_lse,
         Hkv, S, D, sm_scale * LOG2E, lengths.stride(0),
         *q.stride(), *k.stride(), *v.stride(), *ks_strides, *vs_strides, *out.stride(),
-        G=G, DTYPE=dtype, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_S=block_s, BLOCK_D=block_d,
-        NUM_SPLITS=num_splits, IS_FP8=is_fp8, EMULATE=_EMULATE,
+        G=G, DTYPE=dtype, BLOCK_G=triton.next_power_of_2(G), BLOCK_S=block_s, BLOCK_D=block_d,
+        NUM_SPLITS=num_splits, IS_FP8=is_fp8, POW2_SCALES=is_fp8 and pow2_scales, EMULATE=_EMULATE,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
