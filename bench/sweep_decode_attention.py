@@ -1,6 +1,8 @@
-"""The H200 sweep behind the decode-attention defaults (block, warps, stages, splits), BF16 and FP8
-caches (fp32 scales dequantized in the loop, and power-of-two scales kept outside the dots), against SDPA over the full static cache; plus the BF16 cache at half the length (the FP8
-cache's bytes with BF16 arithmetic: what the FP8 loop would take if only bytes counted).
+"""The H200 sweep behind the decode-attention defaults (DEFAULT_TILES: block, warps, stages; and
+splits), for a BF16 cache and FP8 caches with fp32 scales (dequantized in the loop) or power-of-two
+scales (kept outside the dots), against SDPA over the full static cache; plus the BF16 cache at half
+the length (the FP8 cache's bytes with BF16 arithmetic: what an FP8 loop would take if only bytes
+counted).
 GPU only; writes $OUT/attn.json.
 
     PYTHONPATH=. OUT=/tmp python3 bench/sweep_decode_attention.py

@@ -5,6 +5,10 @@ GPU only; writes $OUT/sweep_gemm_rows.json and prints the best configurations la
 
     PYTHONPATH=. OUT=/tmp python3 bench/sweep_gemm_rows.py
 
+The grid can be narrowed or moved from the environment: SWEEP_ROWS, SWEEP_BLOCK_M, SWEEP_BLOCK_N,
+SWEEP_SPLIT_K, SWEEP_WARPS, SWEEP_STAGES (comma-separated integers), e.g. for the decode sizes
+``SWEEP_ROWS=16,64 SWEEP_BLOCK_M=16,64 SWEEP_BLOCK_N=64,128,256 SWEEP_SPLIT_K=1,2,4,8``.
+
 Timing: CUDA-graph replay of 20 back-to-back calls that rotate over weight copies (>= 150 MB in
 all, 3x the L2), so no call reads the previous call's weight from L2. Every configuration is
 checked against the emulated GEMM (relative error < 2e-3) before it is timed.
@@ -25,12 +29,18 @@ from jetrl.fp8.kernels.gemm_triton import SmallMConfig, gemm_small_m
 from jetrl.fp8.quant import quantize
 
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)]
-ROWS = (128, 256)
-BLOCK_M = (64, 128, 256)
-BLOCK_N = (64, 128)
-SPLIT_K = (1, 2, 4)
-WARPS = (4, 8)
-STAGES = (3, 4)
+def _ints(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
+    """A comma-separated override from the environment, e.g. SWEEP_ROWS=16,64."""
+    value = os.environ.get(name)
+    return tuple(int(v) for v in value.split(",")) if value else default
+
+
+ROWS = _ints("SWEEP_ROWS", (128, 256))
+BLOCK_M = _ints("SWEEP_BLOCK_M", (64, 128, 256))
+BLOCK_N = _ints("SWEEP_BLOCK_N", (64, 128))
+SPLIT_K = _ints("SWEEP_SPLIT_K", (1, 2, 4))
+WARPS = _ints("SWEEP_WARPS", (4, 8))
+STAGES = _ints("SWEEP_STAGES", (3, 4))
 
 
 def graph_us(fns, calls=20, reps=10):
