@@ -296,6 +296,13 @@ for i, (H, Hkv, D, num_splits, block_s, sharp) in enumerate(
     v0 = dequantized(v, vs, bf16)[0, :, 0].repeat_interleave(H // Hkv, dim=0)
     assert torch.equal(out[0], v0), case
     print(case, f"max |kernel - reference| = {(out.float() - ref.float()).abs().max().item():.2e}")
+# fp16 models take the same path; fp32 ones keep the in-loop dequantization (q is not exact in fp16)
+for dtype in (fp16, fp32):
+    q, k, v, lengths, ks, vs = make_inputs(len(LENGTHS), 8, 2, S, 64, LENGTHS, dtype, True, seed=60, pow2=True)
+    ref = decode_attention_reference(q, k, v, lengths, k_scales=ks, v_scales=vs)
+    out = decode_attention_triton(q, k, v, lengths, k_scales=ks, v_scales=vs, pow2_scales=True, block_s=16,
+                                  num_splits=2)
+    torch.testing.assert_close(out, ref, **TOLERANCE[dtype], msg=lambda m: f"pow2 {dtype}: {m}")
 print(f"OK {time.time() - start:.1f}s")
 """
 

@@ -237,7 +237,8 @@ def test_decode_view_attend_protocol_matches_the_reference_path(monkeypatch, rec
         assert k.dtype == v.dtype == torch.float8_e4m3fn
         assert kwargs["k_scales"].dtype == kwargs["v_scales"].dtype == torch.float32
         # the cache declares its power-of-two scales, and they are
-        assert kwargs["pow2_scales"] and torch.equal(kwargs["k_scales"], torch.exp2(torch.log2(kwargs["k_scales"]).round()))
+        scales = kwargs["k_scales"]
+        assert kwargs["pow2_scales"] and torch.equal(scales, torch.exp2(torch.log2(scales).round()))
     else:
         assert k.dtype == v.dtype == torch.float32 and kwargs["k_scales"] is None and kwargs["v_scales"] is None
         assert not kwargs["pow2_scales"]

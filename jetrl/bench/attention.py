@@ -8,8 +8,9 @@ BF16 cache with a mask, which is what the engine ran before this kernel: it read
 position of the fixed-length rows, valid or not. A third row runs the BF16 cache at half the
 context, i.e. the FP8 cache's bytes with BF16 arithmetic: the gap between it and the FP8 rows is
 the cost of the FP8 operands, not of HBM. The FP8 cache is timed with fp32 scales (dequantized in
-the loop) and with power-of-two scales (``jet_kv``'s, kept out of the dots). Correctness: the kernel's output against
-:func:`~jetrl.engine.decode_attention.decode_attention_reference` (relative error).
+the loop) and with power-of-two scales (``jet_kv``'s, kept out of the dots). Correctness: the
+kernel's output against :func:`~jetrl.engine.decode_attention.decode_attention_reference`
+(relative error).
 """
 
 from __future__ import annotations

@@ -38,15 +38,17 @@ exactly and accumulate in fp32. FP8 codes are dequantized in registers exactly a
 P = hi + lo (both in the model dtype; P - hi is exact in fp32), two tensor-core products that keep
 ~16 bits of each probability instead of the 8 of a plain BF16 cast. fp32 models use IEEE fp32 dots.
 
-Numerics, FP8 with power-of-two scales (``pow2_scales``, the ``jet_kv`` cache). With s = 2^k,
+Numerics, FP8 with power-of-two scales (``pow2_scales``, the ``jet_kv`` cache; bf16 and fp16 models,
+fp32 ones take the path above). With s = 2^k,
 ``codes * s`` is exact and so is every product with it, so the scales leave the dots with no
 rounding difference (up to fp32 summation order, as everywhere here):
 
     t_j  = (q . c_j) s_j sm_scale                  q . c_j on tensor cores in fp16: codes are exact
                                                    in fp16, and q enters as fp16(q 2^e) with 2^e
                                                    putting max|q| in [2^13, 2^14): exact for every
-                                                   element >= max|q| 2^-31 (the rest are below
-                                                   fp32 rounding of the sum); 2^-e goes into sm_scale
+                                                   element >= max|q| 2^-31 (bf16; 2^-27 for fp16),
+                                                   the rest below the fp32 rounding of the sum;
+                                                   2^-e goes into sm_scale
     sum_j p_j V_hat_j = s_max sum_j (p_j s_j / s_max) c_j      s_max: the tile's largest V scale
 
 The factor ``p_j s_j / s_max`` <= 1 is exact in fp32 and split as hi + lo in fp16 (22 bits where
@@ -173,8 +175,9 @@ def _attend_tile(qT, m, l, accT, tile_start, end, offs_s, offs_d, d_mask, qk_sca
 
 
 @triton.jit
-def _fp16_pow2_scaled(q, EMULATE: tl.constexpr):
-    """(fp16 q * 2^e, 2^e) with max|q * 2^e| in [2^13, 2^14): exact for every |q| >= max|q| * 2^-31."""
+def _fp16_pow2_scaled(q):
+    """(fp16 q * 2^e, 2^e) with max|q * 2^e| in [2^13, 2^14): exact for every element |q| >= max|q| 2^-31
+    of a bf16 q (8 significant bits), >= max|q| 2^-27 of an fp16 q (11); never used for fp32 q."""
     qf = q.to(tl.float32)
     qmax = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
     e = tl.minimum(tl.maximum(140 - ((qmax.to(tl.int32, bitcast=True) >> 23) & 0xFF), -126), 127)
@@ -216,7 +219,7 @@ def _decode_attention_kernel(
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # (BLOCK_G, BLOCK_D)
     if POW2_SCALES:
-        q, q_factor = _fp16_pow2_scaled(q, EMULATE)
+        q, q_factor = _fp16_pow2_scaled(q)
         qk_scale = qk_scale / q_factor  # exact: a power of two
     qT = tl.trans(q)  # (BLOCK_D, BLOCK_G): the B operand of K @ q^T
     k_row = k_ptr + b * stride_kb + kv_head * stride_kh
@@ -319,9 +322,12 @@ def decode_attention_triton(
     is_fp8 = k.dtype == E4M3
     assert k.shape == v.shape == (B, Hkv, S, D) and H % Hkv == 0, (q.shape, k.shape, v.shape)
     assert k.dtype == v.dtype and (is_fp8 or k.dtype == q.dtype) and (k_scales is not None) == is_fp8
-    kind = ("fp8 pow2" if pow2_scales else "fp8") if is_fp8 else "model dtype"
+    # fp32 models keep the in-loop dequantization: their q is not exact in fp16
+    pow2_path = is_fp8 and pow2_scales and q.dtype != torch.float32
+    kind = ("fp8 pow2" if pow2_path else "fp8") if is_fp8 else "model dtype"
     default_block_s, default_warps, default_stages = DEFAULT_TILES[kind]
-    block_s, num_warps, num_stages = block_s or default_block_s, num_warps or default_warps, num_stages or default_stages
+    block_s, num_warps = block_s or default_block_s, num_warps or default_warps
+    num_stages = num_stages or default_stages
     assert block_s >= 16 and block_s & (block_s - 1) == 0, block_s
     sm_scale = D**-0.5 if sm_scale is None else sm_scale
     if num_splits is None:
@@ -348,7 +354,7 @@ def decode_attention_triton(
         Hkv, S, D, sm_scale * LOG2E, lengths.stride(0),
         *q.stride(), *k.stride(), *v.stride(), *ks_strides, *vs_strides, *out.stride(),
         G=G, DTYPE=dtype, BLOCK_G=triton.next_power_of_2(G), BLOCK_S=block_s, BLOCK_D=block_d,
-        NUM_SPLITS=num_splits, IS_FP8=is_fp8, POW2_SCALES=is_fp8 and pow2_scales, EMULATE=_EMULATE,
+        NUM_SPLITS=num_splits, IS_FP8=is_fp8, POW2_SCALES=pow2_path, EMULATE=_EMULATE,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
