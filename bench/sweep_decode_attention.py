@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from jetrl.bench.timing import graph_time_us
-from jetrl.engine.decode_attention import decode_attention_reference
+from jetrl.engine.decode_attention import decode_attention_reference, longest_first
 from jetrl.engine.kernels.decode_attention_triton import decode_attention_triton
 
 
@@ -53,6 +53,7 @@ def main() -> None:
             fp8, pow2 = kind.startswith("fp8"), kind == "fp8 pow2"
             kk, vv = (k8[1], v8[1]) if fp8 else (kb[1], vb[1])
             lens = lengths // 2 if kind == "bf16 half length" else lengths
+            order = longest_first(lens)  # as the engine passes it
             kw = {"k_scales": ks2[1] if pow2 else ks[1], "v_scales": vs2[1] if pow2 else vs[1]} if fp8 else {}
             ref = decode_attention_reference(q, kk, vv, lens, **kw).float()
             n_valid = int((lens + 1).sum())
@@ -65,7 +66,8 @@ def main() -> None:
             for bs, nw, st, sp in grid:
                 try:
                     fn = lambda: decode_attention_triton(
-                        q, kk, vv, lens, block_s=bs, num_warps=nw, num_stages=st, num_splits=sp, pow2_scales=pow2, **kw
+                        q, kk, vv, lens, block_s=bs, num_warps=nw, num_stages=st, num_splits=sp, pow2_scales=pow2,
+                        row_order=order, **kw
                     )
                     err = float((fn().float() - ref).abs().max())
                     us = graph_time_us(fn, DEV, calls=5, replays=5)

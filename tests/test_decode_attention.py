@@ -28,6 +28,7 @@ from jetrl.engine.decode_attention import (
     decode_attention,
     decode_attention_backend,
     decode_attention_reference,
+    longest_first,
     use_decode_attention_backend,
 )
 from jetrl.fp8.quant import E4M3
@@ -112,6 +113,9 @@ def test_public_function_runs_the_reference_on_cpu():
     assert decode_attention_backend("cpu") == "reference"
     out = decode_attention(q, k, v, lengths, k_scales=ks, v_scales=vs)
     assert torch.equal(out, decode_attention_reference(q, k, v, lengths, k_scales=ks, v_scales=vs, sm_scale=64**-0.5))
+    assert longest_first(lengths).tolist() == [1, 0]  # the program order the engine passes; no effect on results
+    ordered = decode_attention(q, k, v, lengths, k_scales=ks, v_scales=vs, row_order=longest_first(lengths))
+    assert torch.equal(ordered, out)
     out = decode_attention(q, k, v, lengths, k_scales=ks, v_scales=vs, sm_scale=0.0625)
     assert torch.equal(out, decode_attention_reference(q, k, v, lengths, k_scales=ks, v_scales=vs, sm_scale=0.0625))
 
@@ -141,6 +145,9 @@ def _bad_inputs():
         ("v_scales must be fp32 \\(2, 2, 16\\)", (q, k, v, lengths), {**scales, "v_scales": vs[..., :8]}),
         ("are for an FP8 .* cache; this cache is torch.bfloat16", (qb, kb, vb, lengths), {"k_scales": ks}),
         ("must be a torch.Tensor", (qb, kb, vb, [5, 15]), {}),
+        ("row_order must be a \\(B,\\) = \\(2,\\) int64 permutation", (qb, kb, vb, lengths), {"row_order": lengths[:1]}),
+        ("row_order must be a \\(B,\\)", (qb, kb, vb, lengths), {"row_order": lengths.float()}),
+        ("row_order must be a permutation of 0..B-1", (qb, kb, vb, lengths), {"row_order": torch.tensor([1, 1])}),
     ]
 
 
@@ -203,13 +210,16 @@ def test_gpu_branches_compile_for_hopper():
         return compile_for_sm90(fn, constexprs, pointers, floats=("qk_scale",), **options)
 
     # every cache kind at its default tiles; G = 1 (MHA) and G = 8 too
-    for (kind, (block_s, warps, stages)), G, num_splits in zip(kernels.DEFAULT_TILES.items(), (4, 1, 8), (1, 4, 2)):
+    for (kind, (block_s, warps, stages)), G, num_splits, order in zip(kernels.DEFAULT_TILES.items(), (4, 1, 8), (1, 4, 2),
+                                                                      (True, False, True)):
         is_fp8 = kind.startswith("fp8")
         cache = "*u8" if is_fp8 else "*bf16"
         constexprs = {"G": G, "DTYPE": tl.bfloat16, "BLOCK_G": G, "BLOCK_S": block_s, "BLOCK_D": 128,
-                      "NUM_SPLITS": num_splits, "IS_FP8": is_fp8, "POW2_SCALES": kind == "fp8 pow2", "EMULATE": False,
+                      "NUM_SPLITS": num_splits, "IS_FP8": is_fp8, "POW2_SCALES": kind == "fp8 pow2", "ROW_ORDER": order,
+                      "EMULATE": False,
                       **dict.fromkeys(UNIT_STRIDES, 1)}  # as a launch specializes them (contiguous rows)
-        pointers = {"q_ptr": "*bf16", "out_ptr": "*bf16", "lengths_ptr": "*i64", "k_ptr": cache, "v_ptr": cache}
+        pointers = {"q_ptr": "*bf16", "out_ptr": "*bf16", "lengths_ptr": "*i64", "row_order_ptr": "*i64",
+                    "k_ptr": cache, "v_ptr": cache}
         compiled = compile_sm90(kernels._decode_attention_kernel, constexprs, pointers, num_warps=warps,
                                 num_stages=stages)
         ptx = compiled.asm["ptx"]
@@ -296,6 +306,15 @@ for i, (H, Hkv, D, num_splits, block_s, sharp) in enumerate(
     v0 = dequantized(v, vs, bf16)[0, :, 0].repeat_interleave(H // Hkv, dim=0)
     assert torch.equal(out[0], v0), case
     print(case, f"max |kernel - reference| = {(out.float() - ref.float()).abs().max().item():.2e}")
+# A row order (longest first, as the engine passes it) moves programs, never bits.
+from jetrl.engine.decode_attention import longest_first
+q, k, v, lengths, ks, vs = make_inputs(len(LENGTHS), 8, 2, S, 64, LENGTHS, bf16, True, seed=70, pow2=True)
+for pow2, num_splits in ((True, 1), (True, 3), (False, 2)):
+    plain = decode_attention_triton(q, k, v, lengths, k_scales=ks, v_scales=vs, pow2_scales=pow2, block_s=16,
+                                    num_splits=num_splits)
+    ordered = decode_attention_triton(q, k, v, lengths, k_scales=ks, v_scales=vs, pow2_scales=pow2, block_s=16,
+                                      num_splits=num_splits, row_order=longest_first(lengths))
+    assert torch.equal(plain, ordered), (pow2, num_splits)
 # fp16 models take the same path; fp32 ones keep the in-loop dequantization (q is not exact in fp16)
 for dtype in (fp16, fp32):
     q, k, v, lengths, ks, vs = make_inputs(len(LENGTHS), 8, 2, S, 64, LENGTHS, dtype, True, seed=60, pow2=True)

@@ -196,7 +196,8 @@ def test_bf16_kv_recipes_keep_a_model_dtype_cache():
 
 
 # ----------------------------------------------------------------------------- 4. the fused-decode protocol
-def _reference_decode_attention(q, k, v, lengths, *, k_scales=None, v_scales=None, sm_scale=None, pow2_scales=False):
+def _reference_decode_attention(q, k, v, lengths, *, k_scales=None, v_scales=None, sm_scale=None, pow2_scales=False,
+                                row_order=None):
     """Stand-in for jetrl.engine.decode_attention.decode_attention with its documented contract."""
     H, (Hkv, S) = q.shape[1], k.shape[1:3]
     if k_scales is not None:
@@ -219,8 +220,10 @@ def test_decode_view_attend_protocol_matches_the_reference_path(monkeypatch, rec
         calls.append((k, v, kwargs))
         return _reference_decode_attention(q, k, v, lengths, **kwargs)
 
+    from jetrl.engine.decode_attention import longest_first
+
     monkeypatch.setitem(sys.modules, "jetrl.engine.decode_attention",
-                        types.SimpleNamespace(decode_attention=kernel))
+                        types.SimpleNamespace(decode_attention=kernel, longest_first=longest_first))
     model = fp8.convert_to_float8(_model(64, seed=2), fp8.get_recipe(recipe))
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (4, 11, 7)]
@@ -245,6 +248,10 @@ def test_decode_view_attend_protocol_matches_the_reference_path(monkeypatch, rec
     # strided views of the cache, not copies
     assert k.data_ptr() == fused.cache.k[0].data_ptr() and v.data_ptr() == fused.cache.v[0].data_ptr()
     assert kwargs["sm_scale"] == 64 ** -0.5
+    # one program order per step, shared by its layers: the rows, longest first
+    orders = [c[2]["row_order"] for c in calls]
+    assert all(o is orders[0] for o in orders[: model.config.num_hidden_layers])
+    assert sorted(orders[0].tolist()) == list(range(len(orders[0])))
     for a, b in zip(expected, out):
         for ca, cb in zip(a, b):
             assert ca.token_ids == cb.token_ids

@@ -10,7 +10,7 @@ context, i.e. the FP8 cache's bytes with BF16 arithmetic: the gap between it and
 the cost of the FP8 operands, not of HBM. The FP8 cache is timed with fp32 scales (dequantized in
 the loop) and with power-of-two scales (``jet_kv``'s, kept out of the dots). Correctness: the
 kernel's output against :func:`~jetrl.engine.decode_attention.decode_attention_reference`
-(relative error).
+(relative error). Every kernel row takes the rows longest first, as the engine does.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from jetrl.bench.checks import rel_err, status
 from jetrl.bench.shapes import BenchConfig
 from jetrl.bench.timing import graph_time_us, tb_per_s
-from jetrl.engine.decode_attention import decode_attention, decode_attention_reference
+from jetrl.engine.decode_attention import decode_attention, decode_attention_reference, longest_first
 from jetrl.fp8.quant import E4M3
 
 ATTN_REL_ERR_MAX = 1e-2  # bf16 outputs of a softmax-weighted mean: a few bf16 ulps
@@ -57,8 +57,9 @@ def decode_attention_rows(cfg: BenchConfig, device: torch.device, lengths: list[
                 ("fp8 cache, fp32 scales", fp8["k"], fp8["v"], fp8["kw"], lengths_t, 1),
                 ("fp8 cache, pow2 scales (jet_kv)", fp8_pow2["k"], fp8_pow2["v"], fp8_pow2["kw"], lengths_t, 1)]
     for label, kk, vv, kw, lens, elem in variants:
+        kw = {**kw, "row_order": longest_first(lens)}  # the program order the engine passes (once per step)
         out = decode_attention(q, kk, vv, lens, **kw)
-        ref_kw = {key: val for key, val in kw.items() if key != "pow2_scales"}  # the reference's math is the same
+        ref_kw = {key: val for key, val in kw.items() if key not in ("pow2_scales", "row_order")}  # same math
         err = rel_err(out, decode_attention_reference(q, kk, vv, lens, **ref_kw))
         us = graph_time_us(lambda kk=kk, vv=vv, kw=kw, lens=lens: decode_attention(q, kk, vv, lens, **kw), device,
                            calls=cfg.graph_calls, replays=cfg.graph_replays)

@@ -108,6 +108,7 @@ def decode_attention(
     v_scales: Tensor | None = None,
     sm_scale: float | None = None,
     pow2_scales: bool = False,
+    row_order: Tensor | None = None,
 ) -> Tensor:
     """Attention of each row's pending token over its cached keys ``0..lengths[b]`` (inclusive).
 
@@ -120,14 +121,20 @@ def decode_attention(
     exact for such scales (kernels/decode_attention_triton.py). The result is the same math either way;
     with other scales the declaration only costs the rounding of ``codes * scale`` to the model
     dtype, so it cannot produce garbage, but it is not faithful to the reference.
+
+    ``row_order`` (B,) int64, a permutation of the rows, e.g. :func:`longest_first` of ``lengths``: the
+    order in which the kernel's programs take the rows. It never changes a result (each row's sums are
+    the same), only the time: longest first avoids a tail of long rows running alone at the end
+    (kernels/decode_attention_triton.py). Checked to be a permutation on the CPU only (a check on the
+    GPU would be a host sync); the reference ignores it.
     """
-    _validate(q, k, v, lengths, k_scales, v_scales)
+    _validate(q, k, v, lengths, k_scales, v_scales, row_order)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     if q.shape[0] == 0:
         return torch.empty_like(q)
     backend = decode_attention_backend(q.device)
     impl = _implementation(backend, q.device)
-    kw = {"pow2_scales": pow2_scales} if backend == "triton" else {}
+    kw = {"pow2_scales": pow2_scales, "row_order": row_order} if backend == "triton" else {}
     return impl(q, k, v, lengths, k_scales=k_scales, v_scales=v_scales, sm_scale=sm_scale, **kw)
 
 
@@ -173,9 +180,16 @@ def _implementation(backend: str, device: torch.device) -> Callable[..., Tensor]
     return decode_attention_triton
 
 
+def longest_first(lengths: Tensor) -> Tensor:
+    """The rows ordered by length, longest first, as ``row_order`` for :func:`decode_attention` (no host sync;
+    the engine computes it once per decode step and shares it across layers)."""
+    return torch.argsort(lengths, descending=True, stable=True)
+
+
 # ---------------------------------------------------------------------------------------
 def _validate(
-    q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scales: Tensor | None, v_scales: Tensor | None
+    q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scales: Tensor | None, v_scales: Tensor | None,
+    row_order: Tensor | None = None,
 ) -> None:
     for name, t in (("q", q), ("k", k), ("v", v), ("lengths", lengths)):
         if not isinstance(t, Tensor):
@@ -198,7 +212,17 @@ def _validate(
             f"decode_attention: lengths must be (B,) = ({B},) int64 (row b attends to 0..lengths[b]), "
             f"got {lengths.dtype} {tuple(lengths.shape)}"
         )
-    devices = {t.device for t in (q, k, v, lengths, k_scales, v_scales) if t is not None}
+    if row_order is not None:
+        if not isinstance(row_order, Tensor) or row_order.shape != (B,) or row_order.dtype not in (torch.int64,
+                                                                                                  torch.int32):
+            raise ValueError(
+                f"decode_attention: row_order must be a (B,) = ({B},) int64 permutation of the rows "
+                f"(e.g. longest_first(lengths)), got {getattr(row_order, 'dtype', type(row_order).__name__)} "
+                f"{tuple(getattr(row_order, 'shape', ()))}"
+            )
+        if row_order.device.type == "cpu" and not torch.equal(torch.sort(row_order).values, torch.arange(B)):
+            raise ValueError("decode_attention: row_order must be a permutation of 0..B-1 (each row exactly once)")
+    devices = {t.device for t in (q, k, v, lengths, k_scales, v_scales, row_order) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"decode_attention: all tensors must be on one device, got {sorted(map(str, devices))}")
     if k.dtype != v.dtype:

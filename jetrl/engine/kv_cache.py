@@ -221,6 +221,7 @@ class DecodeView:
         self.cache, self.num_rows = cache, num_rows
         self.offset = cache.max_len - 1  # the forward sees offset + T = max_len keys
         self._index: Tensor | None = None
+        self._row_order: Tensor | None = None  # decode attention's program order, longest row first
         self.attend = self._attend_fused if cache.use_decode_kernel else None
 
     def _store(self, layer_idx: int, k: Tensor, v: Tensor) -> None:
@@ -262,13 +263,15 @@ class DecodeView:
 
     def _attend_fused(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Store k/v, then the decode attention kernel over the cache rows: q (B, H, 1, D) -> (B, H, 1, D)."""
-        from jetrl.engine.decode_attention import decode_attention  # lazy: Triton, GPU only
+        from jetrl.engine.decode_attention import decode_attention, longest_first  # lazy: Triton, GPU only
 
         self._store(layer_idx, k, v)
         cache, B = self.cache, self.num_rows
+        if self._row_order is None:  # once per step: the lengths are the same for every layer
+            self._row_order = longest_first(cache.lengths[:B])
         k_scales = cache.k_scale[layer_idx, :B] if cache.is_fp8 else None
         v_scales = cache.v_scale[layer_idx, :B] if cache.is_fp8 else None
         out = decode_attention(q[:, :, 0], cache.k[layer_idx, :B], cache.v[layer_idx, :B], cache.lengths[:B],
                                k_scales=k_scales, v_scales=v_scales, sm_scale=q.shape[-1] ** -0.5,
-                               pow2_scales=cache.is_fp8 and cache.kv_spec.pow2_scale)
+                               pow2_scales=cache.is_fp8 and cache.kv_spec.pow2_scale, row_order=self._row_order)
         return out.unsqueeze(2)
