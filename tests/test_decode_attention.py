@@ -232,6 +232,37 @@ def test_gpu_branches_compile_for_hopper():
     assert merge.asm["cubin"]
 
 
+# SASS instructions per loop iteration (one tile of BLOCK_S positions, one warp) at the default tiles,
+# compiled as a B=256, S=1152 launch: the budget that the H200 rewrite of docs/benchmarks.md (d) met
+# (pow2: 1121 -> 690 per 64 -> 32 positions, 184 -> 92 µs), with ~10% slack, and the two things that
+# made the old loop slow, as regressions to catch on any machine.
+LOOP_BUDGET = {"model dtype": 750, "fp8": 1420, "fp8 pow2": 760}
+
+
+def test_loop_instruction_budget():
+    pytest.importorskip("triton")
+    import triton.language as tl
+
+    from jetrl.bench.sass import compile_like_launch, decode_attention_args, loop_mixes
+    from jetrl.engine.kernels import decode_attention_triton as kernels
+
+    counts = {}
+    for kind, (block_s, warps, stages) in kernels.DEFAULT_TILES.items():
+        fp8 = kind.startswith("fp8")
+        constexprs = {"G": 4, "DTYPE": tl.bfloat16, "BLOCK_G": 4, "BLOCK_S": block_s, "BLOCK_D": 128, "NUM_SPLITS": 1,
+                      "IS_FP8": fp8, "POW2_SCALES": kind == "fp8 pow2", "ROW_ORDER": True, "EMULATE": False}
+        compiled = compile_like_launch(kernels._decode_attention_kernel, decode_attention_args(fp8), constexprs,
+                                       num_warps=warps, num_stages=stages)
+        (loop,) = loop_mixes(compiled)  # the tile loop, software-pipelined into one
+        counts[kind] = loop.count
+        assert loop.count <= LOOP_BUDGET[kind], (kind, loop.count, loop.mix.most_common(10))
+        assert loop.mix["HMMA.16816.F32.BF16"] + loop.mix["HMMA.16816.F32"] == 48, (kind, loop.mix)  # 3 dots, no more
+        if fp8:  # V reaches the mma layout as fp16 via ldmatrix, not one shared-memory byte load per code
+            assert "LDS.U8" not in loop.mix, (kind, loop.mix.most_common(10))
+    # pow2 scales leave only the E4M3 -> fp16 conversion per code: no fp32 dequantization in the loop
+    assert counts["fp8 pow2"] < counts["fp8"] * 0.6, counts
+
+
 KERNEL_SCRIPT = r"""
 import time
 import torch
