@@ -17,6 +17,7 @@ Files (one concept each):
     report.py      rows, targets, the table and the JSON
     runner.py      runs the sections, isolates failures, prints, writes <out>/bench.json
     cli.py         the ``jetrl bench`` options
+    sass.py        (no GPU) SASS instruction mix of a kernel's loops, compiled for sm_90 like a launch
 
 Nothing GPU-only is imported at module import (Triton and transformers load lazily).
 """
