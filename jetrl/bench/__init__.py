@@ -12,6 +12,7 @@ Files (one concept each):
     models.py      random 8B-shaped models on the device, switching recipes, decode bytes
     synthetic.py   token-id prompts, tokenizer and reward for timing the RL loop offline
     kernels.py     (a) quantizers, (b) Float8Linear, (c) decode GEMMs
+    attention.py   (d) the decode-attention kernel's TB/s (BF16 and FP8 caches) against SDPA
     rollout.py     (d) decode step vs bytes floor, (e) rollout tok/s (+ hf_generate.py, the HF baseline)
     training.py    (f) training phase, (g) end-to-end RL step
     report.py      rows, targets, the table and the JSON
