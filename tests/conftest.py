@@ -19,19 +19,20 @@ def compile_for_sm90(fn, constexprs: dict, pointers: dict, floats: tuple = (), *
     """Compile a Triton kernel's GPU path for sm_90 with Triton's bundled ptxas (no GPU needed).
 
     Arguments ending in ``_ptr`` are pointers (``pointers[name]``, default ``*fp32``), those in
-    ``floats`` fp32 scalars, the rest i32 (or constexpr if in ``constexprs``).
+    ``floats`` fp32 scalars, the rest i32 without specialization (or constexpr if in ``constexprs``).
+    A thin layer over :func:`jetrl.bench.sass.compile_like_launch`, which takes real example arguments.
     """
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    pytest.importorskip("triton")
+    from jetrl.bench.sass import compile_like_launch
 
-    def arg_type(name):
-        if name in constexprs:
-            return "constexpr"
+    dtypes = {"*fp32": torch.float32, "*bf16": torch.bfloat16, "*fp16": torch.float16, "*u8": torch.uint8,
+              "*i32": torch.int32, "*i64": torch.int64, "*fp8e4nv": torch.float8_e4m3fn}
+
+    def example(name):
         if name.endswith("_ptr"):
-            return pointers.get(name, "*fp32")
-        return "fp32" if name in floats else "i32"
+            return torch.empty(1, dtype=dtypes[pointers.get(name, "*fp32")])
+        return 0.5 if name in floats else 3  # an int that a launch would not specialize
 
-    signature = {name: arg_type(name) for name in fn.arg_names}
-    return triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4, "num_stages": 2, **options})
+    args = {name: example(name) for name in fn.arg_names if name not in constexprs}
+    return compile_like_launch(fn, args, constexprs, num_warps=options.get("num_warps", 4),
+                               num_stages=options.get("num_stages", 2))

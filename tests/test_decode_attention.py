@@ -195,40 +195,32 @@ def test_num_splits_rule():
     assert choose_num_splits(1, 8, 64, 64, 132) == 1
 
 
-UNIT_STRIDES = ("stride_lb", "stride_qd", "stride_kd", "stride_vd", "stride_kss", "stride_vss", "stride_od")
-
-
 def test_gpu_branches_compile_for_hopper():
     """The interpreter runs the kernels' EMULATE branches; this compiles the GPU branches (tensor-core
-    dots, hardware casts, the software-pipelined loop) for sm_90 with Triton's bundled ptxas, no GPU."""
+    dots, hardware casts, the software-pipelined loop) for sm_90 with Triton's bundled ptxas, no GPU,
+    specialized as a launch over contiguous cache rows would be."""
     pytest.importorskip("triton")
     import triton.language as tl
 
+    from jetrl.bench.sass import compile_like_launch, decode_attention_args
     from jetrl.engine.kernels import decode_attention_triton as kernels
-
-    def compile_sm90(fn, constexprs, pointers, **options):
-        return compile_for_sm90(fn, constexprs, pointers, floats=("qk_scale",), **options)
 
     # every cache kind at its default tiles; G = 1 (MHA) and G = 8 too
     cases = zip(kernels.DEFAULT_TILES.items(), (4, 1, 8), (1, 4, 2), (True, False, True))
     for (kind, (block_s, warps, stages)), G, num_splits, order in cases:
         is_fp8 = kind.startswith("fp8")
-        cache = "*u8" if is_fp8 else "*bf16"
         constexprs = {"G": G, "DTYPE": tl.bfloat16, "BLOCK_G": G, "BLOCK_S": block_s, "BLOCK_D": 128,
                       "NUM_SPLITS": num_splits, "IS_FP8": is_fp8, "POW2_SCALES": kind == "fp8 pow2", "ROW_ORDER": order,
-                      "EMULATE": False,
-                      **dict.fromkeys(UNIT_STRIDES, 1)}  # as a launch specializes them (contiguous rows)
-        pointers = {"q_ptr": "*bf16", "out_ptr": "*bf16", "lengths_ptr": "*i64", "row_order_ptr": "*i64",
-                    "k_ptr": cache, "v_ptr": cache}
-        compiled = compile_sm90(kernels._decode_attention_kernel, constexprs, pointers, num_warps=warps,
-                                num_stages=stages)
+                      "EMULATE": False}
+        compiled = compile_like_launch(kernels._decode_attention_kernel, decode_attention_args(is_fp8, H=8 * G, Hkv=8),
+                                       constexprs, num_warps=warps, num_stages=stages)
         ptx = compiled.asm["ptx"]
         assert ("mma.sync" in ptx or "wgmma" in ptx) and compiled.asm["cubin"], kind
         if kind == "fp8 pow2":  # V's codes become fp16 where they are loaded (module docstring)
             assert "cvt.rn.f16x2.e4m3x2" in ptx and "ld.shared.u8" not in ptx and "ld.shared.b8" not in ptx
     constexprs = {"DTYPE": tl.bfloat16, "NUM_SPLITS": 4, "SPLITS_P2": 4, "BLOCK_S": 64, "BLOCK_D": 128,
                   "EMULATE": False}
-    merge = compile_sm90(kernels._merge_splits_kernel, constexprs, {"lengths_ptr": "*i64", "out_ptr": "*bf16"})
+    merge = compile_for_sm90(kernels._merge_splits_kernel, constexprs, {"lengths_ptr": "*i64", "out_ptr": "*bf16"})
     assert merge.asm["cubin"]
 
 

@@ -116,6 +116,11 @@ class StaticKVCache:
         return self.kv_spec is not None
 
     @property
+    def pow2_scales(self) -> bool:
+        """An FP8 cache whose scales are powers of two (its spec's rule; ``jet_kv``'s)."""
+        return self.is_fp8 and self.kv_spec.pow2_scale
+
+    @property
     def nbytes(self) -> int:
         scales = self.k_scale.nbytes + self.v_scale.nbytes if self.is_fp8 else 0
         return self.k.nbytes + self.v.nbytes + scales
@@ -132,7 +137,7 @@ class StaticKVCache:
         """
         if not self.is_fp8:
             return (k, v), (k, v)
-        pow2 = self.kv_spec.pow2_scale
+        pow2 = self.pow2_scales
         k_name, v_name = kv_names(layer_idx)
         kq, vq = quantize_kv(k, pow2_scale=pow2, name=k_name), quantize_kv(v, pow2_scale=pow2, name=v_name)
         k_codes, v_codes = kq.codes.view(k.shape), vq.codes.view(v.shape)
@@ -241,10 +246,9 @@ class DecodeView:
         from jetrl.engine.kernels.kv_store_triton import store_kv_triton  # lazy: Triton
 
         cache, B = self.cache, self.num_rows
-        pow2 = cache.kv_spec is not None and cache.kv_spec.pow2_scale
         buffers = cache.storage(layer_idx)  # (k, v) or (k codes uint8, v codes uint8, k_scale, v_scale)
         scales = (buffers[2][:B], buffers[3][:B]) if cache.is_fp8 else (None, None)
-        store_kv_triton(k, v, cache.lengths[:B], buffers[0][:B], buffers[1][:B], *scales, pow2)
+        store_kv_triton(k, v, cache.lengths[:B], buffers[0][:B], buffers[1][:B], *scales, cache.pow2_scales)
 
     def store_reference(self, layer_idx: int, k: Tensor, v: Tensor) -> None:
         """The store in PyTorch ops (the spec of the fused kernel): ``encode``, then one ``scatter_`` per buffer."""
@@ -273,5 +277,5 @@ class DecodeView:
         v_scales = cache.v_scale[layer_idx, :B] if cache.is_fp8 else None
         out = decode_attention(q[:, :, 0], cache.k[layer_idx, :B], cache.v[layer_idx, :B], cache.lengths[:B],
                                k_scales=k_scales, v_scales=v_scales, sm_scale=q.shape[-1] ** -0.5,
-                               pow2_scales=cache.is_fp8 and cache.kv_spec.pow2_scale, row_order=self._row_order)
+                               pow2_scales=cache.pow2_scales, row_order=self._row_order)
         return out.unsqueeze(2)

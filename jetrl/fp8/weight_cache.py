@@ -81,8 +81,7 @@ class WeightCache:
         into it in place, like any entry."""
         if self._weight is None or not _same_layout(self._weight, blocks):
             raise ValueError(f"{self.name}: can only adopt blocks of the cached weight's layout")
-        self._weight = blocks
-        self._transposed_stale = True
+        self._weight = blocks  # same values: a transposed copy made from the old buffer stays valid
 
     def prime(self, weight: torch.Tensor, spec: QuantSpec, quantized: Float8Blocks) -> None:
         """Install ``quantized`` as q(``weight``) for the weight's *current* version, without quantizing.
