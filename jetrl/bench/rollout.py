@@ -15,6 +15,8 @@ linear layers) and ``jet_kv`` (``jet`` + FP8 KV cache) where that recipe exists.
 
     Check: the replayed logits equal an eager forward's (relative error < 1e-2, finite).
     Target: BF16 step <= 1.4x its floor.
+    One more row times the step's sampling (outside the graph): the fused kernel against the
+    PyTorch spec (sampling.py).
 (e) ``rollout_throughput``: ``Engine.generate`` of B random prompts, P prompt tokens, N new
     tokens each (temperature 1, ignore_eos, so every row runs N steps), after a short warm-up
     generate on the same engine (graph capture, Triton compilation). tok/s = B * N / wall time,
@@ -45,11 +47,13 @@ from jetrl.bench.models import (
     random_model,
     set_recipe,
 )
-from jetrl.bench.report import error_row, set_target
+from jetrl.bench.report import error_row, guarded, set_target
+from jetrl.bench.sampling import sampler_row
 from jetrl.bench.shapes import BenchConfig
 from jetrl.bench.synthetic import random_prompts
 from jetrl.bench.timing import floor_ms, time_ms, wall_s
 from jetrl.engine import Engine, SamplingParams
+from jetrl.fp8.kernels import has_triton
 from jetrl.fp8.recipe import precision_phase
 from jetrl.models.fused import use_fused_ops
 
@@ -91,6 +95,8 @@ def decode_step(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any]]:
         rows += decode_attention_rows(cfg, device, lengths)
     except Exception as exc:  # noqa: BLE001 -- recorded; the decode-step rows still run
         rows.append(error_row("decode attention kernel", exc))
+    if device.type == "cuda" and has_triton():
+        rows.append(guarded("sampling one step", lambda: sampler_row(cfg, device)))
     for recipe in ["bf16", *_fp8_recipes()]:
         name = f"decode step {recipe} B={batch} ctx {cfg.decode_context} L={cfg.layers}"
         row = _recipe_step_row(name, model, recipe, batch, lengths, cfg, device, fused=True)

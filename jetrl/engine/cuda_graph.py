@@ -12,8 +12,8 @@ What makes the decode forward capturable (the engine guarantees it, this file re
 * No host sync inside (no ``.item()``, no boolean-mask indexing, no CPU tensors), and every
   lazily initialized state (RoPE tables on the device, FP8 weight caches) is filled by the
   warmup runs before capture.
-* It returns a fresh (num_rows, vocab) fp32 logits tensor; captured, that tensor lives in the
-  graph's private pool and every replay overwrites it. The engine consumes it (sampling, which
+* It returns a fresh (num_rows, vocab) logits tensor in the model dtype; captured, that tensor lives
+  in the graph's private pool and every replay overwrites it. The engine consumes it (sampling, which
   stays outside the graph) before the next replay.
 
 Staleness: a graph bakes in the addresses of the weights and of the FP8 weight-cache codes it

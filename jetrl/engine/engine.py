@@ -241,7 +241,7 @@ class Engine:
         first_slots = torch.tensor([g[0].slot for g in groups], device=dev)
         hidden = self.model.hidden_states(ids.to(dev), kv_cache=self.cache.prefill(first_slots, lengths_t))
         last = hidden[torch.arange(len(groups), device=dev), lengths_t - 1]  # (G, hidden)
-        logits = self.model.logits_from_hidden(last).float()  # (G, V): lm_head at one position per prompt
+        logits = self.model.logits_from_hidden(last)  # (G, V) in the model dtype: lm_head at one position per prompt
         siblings = [(g[0].slot, s.slot) for g in groups for s in g[1:]]
         if siblings:
             src, dst = (torch.tensor(x, device=dev) for x in zip(*siblings))
@@ -261,14 +261,15 @@ class Engine:
 
     # ------------------------------------------------------------------ decode
     def _decode_forward(self, num_rows: int) -> Tensor:
-        """Logits (num_rows, V) fp32 for the pending token of slots [0, num_rows). Graph-capturable."""
+        """Logits (num_rows, V) for the pending token of slots [0, num_rows), in the model dtype (sample() reads
+        them as they are; its PyTorch path upcasts to fp32 itself). Graph-capturable."""
         hidden = self.model.hidden_states(
             self.next_tokens[:num_rows, None],
             attention_mask=self.cache.decode_mask(num_rows),
             position_ids=self.cache.decode_positions(num_rows),
             kv_cache=self.cache.decode(num_rows),
         )
-        return self.model.logits_from_hidden(hidden[:, 0]).float()
+        return self.model.logits_from_hidden(hidden[:, 0])
 
     def _decode_window(
         self, num_rows: int, steps: int, params: SamplingParams, stop_tensor: Tensor | None

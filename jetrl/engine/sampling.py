@@ -29,15 +29,29 @@ draw therefore depends only on (its seed, its sample index, its step, its own lo
 on what else is in the batch, which slot it sits in, or how many steps ran before it was
 admitted; and the same integers give the same uniforms on CPU and GPU. No ``torch.Generator``
 state, one kernel for the whole batch, and no host sync.
+
+Backend: :func:`sample_reference` below is the spec, in plain PyTorch. :func:`sample` runs it, or
+for parameters that do not truncate (top-k/top-p off; greedy included) on CUDA with Triton the fused
+kernel of :mod:`jetrl.engine.kernels.sample_triton`: the same distribution and the same uniforms,
+~1 read of the logits in their own dtype instead of ~8 fp32 passes (31 µs instead of 720 µs at
+B = 256, V = 151936 on the H200). A token can differ from the spec's only where the draw lies within
+fp32 rounding of a cdf boundary, as the spec's own tokens differ between CPU and GPU.
+``JETRL_FUSED_SAMPLER=0`` turns the kernel off, ``=1`` asks for it wherever the parameters allow
+(CPU tensors then need ``TRITON_INTERPRET=1``); :func:`use_fused_sampler` overrides both inside a
+block (tests, benchmarks).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from jetrl.overrides import ScopedOverride, env_choice
 
 M32 = 0xFFFFFFFF
 M64 = 0xFFFFFFFFFFFFFFFF
@@ -191,7 +205,22 @@ def sequence_key(prompt_seed: int, sample_index: int) -> int:
 
 # ----------------------------------------------------------------------------- sampling
 def sample(logits: Tensor, params: SamplingParams, keys: Tensor, steps: Tensor) -> tuple[Tensor, Tensor]:
-    """Draw one token per row. No host sync.
+    """Draw one token per row: :func:`sample_reference`, or its fused kernel where it applies
+    (module docstring, :func:`uses_fused_sampler`). No host sync.
+
+    logits: (B, V) float (the kernel reads bf16, fp16 and fp32 as they are); keys, steps: (B,) int64.
+    Returns tokens (B,) int64 and their processed logprobs (B,) fp32.
+    """
+    _validate(logits, keys, steps)
+    if not uses_fused_sampler(logits, params):
+        return sample_reference(logits, params, keys, steps)
+    from jetrl.engine.kernels.sample_triton import sample_triton
+
+    return sample_triton(logits if logits.stride(-1) == 1 else logits.contiguous(), params, keys, steps)
+
+
+def sample_reference(logits: Tensor, params: SamplingParams, keys: Tensor, steps: Tensor) -> tuple[Tensor, Tensor]:
+    """The spec, in PyTorch: draw one token per row (module docstring). No host sync.
 
     logits: (B, V) any float dtype (processed in fp32); keys, steps: (B,) int64 (see module
     docstring). Returns tokens (B,) int64 and their processed logprobs (B,) fp32.
@@ -211,3 +240,64 @@ def sample(logits: Tensor, params: SamplingParams, keys: Tensor, steps: Tensor) 
             torch.searchsorted(cdf, target, right=True), torch.searchsorted(cdf, total, right=False)
         ).squeeze(-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _validate(logits: Tensor, keys: Tensor, steps: Tensor) -> None:
+    if logits.dim() != 2 or logits.shape[-1] == 0:
+        raise ValueError(f"sample: logits must be (B, V) with V >= 1 (one row per sequence), got {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise TypeError(f"sample: logits must be a float tensor (bf16, fp16 or fp32), got {logits.dtype}")
+    for name, t in (("keys", keys), ("steps", steps)):
+        if t.shape != logits.shape[:1] or t.dtype != torch.int64:
+            raise ValueError(
+                f"sample: {name} must be ({logits.shape[0]},) int64, one per row of logits {tuple(logits.shape)}; "
+                f"got {t.dtype} {tuple(t.shape)}"
+            )
+
+
+# ----------------------------------------------------------------------------- backend
+_ENV = "JETRL_FUSED_SAMPLER"
+_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_override = ScopedOverride("fused-sampler setting", (True, False))
+
+
+def fused_sampler_requested() -> bool | None:
+    """True/False if the fused sampler is forced on/off (innermost :func:`use_fused_sampler`, else
+    ``JETRL_FUSED_SAMPLER``), None for the default: on for CUDA logits when Triton is installed."""
+    if _override.value is not None:
+        return _override.value
+    flag = env_choice(_ENV, ("0", "1"), "1 = the fused Triton sampler, also on CPU under TRITON_INTERPRET=1; "
+                                        "0 = the PyTorch reference")
+    return None if flag is None else flag == "1"
+
+
+def uses_fused_sampler(logits: Tensor, params: SamplingParams) -> bool:
+    """True if :func:`sample` runs the fused kernel for these logits and params.
+
+    Never for truncating params (top-k/top-p: a sort, the reference's job) or a logits dtype the kernel
+    does not read. Forced on, it raises an actionable error where it cannot run.
+    """
+    requested = fused_sampler_requested()
+    if requested is False or params.truncates or logits.dtype not in _FUSED_DTYPES:
+        return False
+    from jetrl.fp8.kernels import has_triton
+
+    if requested is None:
+        return logits.is_cuda and has_triton()
+    if not has_triton():
+        raise RuntimeError(f"the fused sampler needs Triton: pip install triton, or unset {_ENV} / "
+                           "use_fused_sampler(False) for the PyTorch reference")
+    if not logits.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise RuntimeError(
+            f"the fused sampler needs CUDA logits, got {logits.device.type}; set TRITON_INTERPRET=1 (before "
+            f"importing triton) to run the kernel on the CPU, or unset {_ENV} / use_fused_sampler(False)"
+        )
+    return True
+
+
+def use_fused_sampler(enabled: bool) -> contextlib.AbstractContextManager[None]:
+    """Force the fused sampler on or off inside the block, on every device (tests, benchmarks).
+
+    Sampling runs outside the engine's CUDA graphs, so toggling it needs no recapture.
+    """
+    return _override(bool(enabled))
