@@ -4,7 +4,8 @@ On CPU the model always runs the references; the Triton kernels are checked here
 ``TRITON_INTERPRET=1``: RoPE bit for bit (it has no reduction), RMSNorm within one ulp of the
 model dtype (its row sum may be ordered differently) and batch-invariant, SwiGLU bit for bit in
 bf16 (in fp32 within 4e-7 relative: the CPU reference's vectorized exp is not numpy's); the
-autograd wrappers give the references' gradients.
+autograd wrappers give the references' gradients (their backward kernels, one by one:
+tests/test_fused_backward.py).
 """
 
 import os

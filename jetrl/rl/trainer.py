@@ -69,8 +69,13 @@ class GRPOTrainer:
         self.records = list(train_dataset)
         self.prompt_ids = encode_prompts(self.records, tokenizer, system_prompt=system_prompt,
                                          max_prompt_length=args.max_prompt_length)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
-                                           betas=(args.adam_beta1, args.adam_beta2))
+        params = list(self.model.parameters())
+        # fused AdamW on CUDA: one pass over parameters, gradients and states instead of foreach's dozen
+        # (foreach: 38 ms of GPU time per step at 2.8B parameters, bench/profile_training.py); CPU keeps
+        # its default implementation
+        self.optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay,
+                                           betas=(args.adam_beta1, args.adam_beta2),
+                                           fused=all(p.is_cuda for p in params) or None)
         self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if args.beta > 0 else None
         self.engine = Engine(self.model, tokenizer, max_slots=args.generation_batch_size,
                              max_len=args.max_prompt_length + args.max_completion_length, **(engine_kwargs or {}))

@@ -1,11 +1,14 @@
-"""Triton kernels for the decode step's small ops: RMSNorm, RoPE and SwiGLU, one launch each.
+"""Triton kernels for the model's small ops, one launch each: RMSNorm, RoPE and SwiGLU forward, RoPE backward.
 
 Why: at decode sizes every elementwise op of the model is a separate, launch-bound kernel. The
 H200 profile of one 8B decode step (docs/benchmarks.md, section d) shows ~180 µs per layer of
 copies, elementwise ops and reductions next to 165 µs of attention and 172 µs of GEMMs; eager
 RMSNorm alone is 8 kernels (upcast, square, mean, +eps, rsqrt, scale, downcast, weight) and
 RoPE 5 per tensor (neg, cat, two products, sum). Specs: :func:`jetrl.models.fused.rms_norm_reference`
-and :func:`jetrl.models.fused.apply_rope_reference`.
+and :func:`jetrl.models.fused.apply_rope_reference`. In training these ops are not cheap next to
+the GEMMs either (an H200 update spent ~280 of 585 ms outside them, much in these ops' autograd):
+the backward kernels are in :mod:`jetrl.models.kernels.fused_backward_triton`, except RoPE's,
+which is the kernel below with ``BACKWARD=True`` (RoPE is linear: its backward is a rotation too).
 
 Numerics, op for op as the references compute them in PyTorch (each product or sum of two
 model-dtype tensors is computed in fp32 and rounded once to the model dtype):
@@ -16,6 +19,8 @@ model-dtype tensors is computed in fp32 and rounded once to the model dtype):
               n = round_dtype(x * r);  y = round_out(w * n)
     RoPE      y = round(round(x * cos) + round(rotate_half(x) * sin)),  rotate_half([a, b]) = [-b, a]
               (bit-identical to the reference: no reduction)
+              backward: gx = round(round(g * cos) + round(rotate_half^T(g * sin))),
+              rotate_half^T([a, b]) = [b, -a]; bit-identical to autograd through the reference
     SwiGLU    s = round(g / (1 + exp(-g)));  y = round(s * u)     (fp32 division rounded to nearest,
                                               libdevice expf: the arithmetic of PyTorch's CUDA silu)
 
@@ -31,16 +36,30 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from jetrl.fp8.kernels.quant_triton import _quantize_groups_epilogue, epilogue_buffers, explicit_round
 from jetrl.fp8.kernels.rounding import INTERPRET, round_to, rounded
 
 _EMULATE = INTERPRET
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
+def row_grid(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (..., C) as an (outer, inner, C) grid of rows with unit column stride, a view where possible.
+
+    A (B, T, H, D) view of a wider buffer (q/k as column slices of a stacked GEMM output) stays a
+    view: the kernels address row r at ``(r // inner) * stride(0) + (r % inner) * stride(1)``.
+    """
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x.reshape(-1, 1, x.shape[-1]) if x.dim() < 3 else (x.flatten(0, -3) if x.dim() > 3 else x)
+
+
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, num_cols, inner, stride_outer, stride_inner, stride_o, eps,
+                     codes_ptr, scales_ptr, stride_sr, stride_sc,
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, X_DTYPE: tl.constexpr,
-                     OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+                     OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr,
+                     QUANT: tl.constexpr, POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
     col_ok = cols < num_cols
@@ -54,38 +73,58 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, num_cols, inner, stride_ou
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     y = round_to(w[None, :] * n, OUT_DTYPE, EMULATE)
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], y, mask=mask)
+    if QUANT:  # the FP8 codes of y for the linear layer that reads it (jetrl/fp8/producer_quant.py)
+        _quantize_groups_epilogue(y.to(tl.float32), rows, rows < num_rows, 0, num_cols, codes_ptr, scales_ptr,
+                                  stride_sr, stride_sc, BLOCK_R, BLOCK_C, POW2, EXPLICIT_ROUND)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *, quantize_pow2: bool | None = None,
+                    col_major_scales: bool = False):
     """Same signature and result (up to the row sum's order) as ``rms_norm_reference``.
 
     ``x`` may be strided in its leading dims (rows are addressed as an (outer, inner) grid, so a
     (B, T, H, D) view of a wider buffer is read in place); the output is contiguous.
+    With ``quantize_pow2`` set (False: fp32 scales, True: power-of-two), the same kernel also returns
+    ``quantize(y.reshape(-1, D), (1, 128), pow2_scale=quantize_pow2, col_major_scales=...)``'s codes and
+    scales, bit for bit: ``(y, codes, scales)``. D must then be a multiple of 128.
     """
     cols = x.shape[-1]
     assert weight.shape == (cols,) and weight.is_contiguous() and x.dtype in _TL_DTYPES, (x.shape, weight.shape)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    grid3 = x.reshape(-1, 1, cols) if x.dim() < 3 else (x.flatten(0, -3) if x.dim() > 3 else x)  # (outer, inner, C)
-    outer, inner = grid3.shape[0], grid3.shape[1]
-    num_rows = outer * inner
+    grid3 = row_grid(x)
+    inner, num_rows = grid3.shape[1], grid3.shape[0] * grid3.shape[1]
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty((num_rows, cols), dtype=out_dtype, device=x.device)
+    codes, scales = _quant_buffers(num_rows, cols, x.device, quantize_pow2, col_major_scales, out)
     block_c = triton.next_power_of_2(cols)
     block_r = max(1, min(64, 4096 // block_c))
     grid = (triton.cdiv(num_rows, block_r),)
     _rms_norm_kernel[grid](
         grid3, weight, out, num_rows, cols, inner, grid3.stride(0), grid3.stride(1), out.stride(0), eps,
+        codes.view(torch.uint8), scales, scales.stride(0), scales.stride(-1),
         BLOCK_R=block_r, BLOCK_C=block_c, X_DTYPE=_TL_DTYPES[x.dtype], OUT_DTYPE=_TL_DTYPES[out_dtype],
-        EMULATE=_EMULATE, num_warps=4 if block_c * block_r <= 4096 else 8,
+        EMULATE=_EMULATE, QUANT=quantize_pow2 is not None, POW2=bool(quantize_pow2), EXPLICIT_ROUND=explicit_round(),
+        num_warps=4 if block_c * block_r <= 4096 else 8,
     )
-    return out.view(*x.shape[:-1], cols)
+    y = out.view(*x.shape[:-1], cols)
+    return y if quantize_pow2 is None else (y, codes, scales)
+
+
+def _quant_buffers(rows: int, cols: int, device: torch.device, quantize_pow2: bool | None, col_major_scales: bool,
+                   dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales for a quantizing epilogue, or (unused) stand-ins when there is none."""
+    if quantize_pow2 is None:
+        return dummy, dummy
+    if cols % 128:
+        raise ValueError(f"a quantizing epilogue needs whole 1x128 groups; the width is {cols}")
+    return epilogue_buffers(rows, cols, device, col_major_scales)
 
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_rows, H, T,
                  sxb, sxh, sxt, sxd, scb, sct, scd, ssb, sst, ssd, sob, soh, sot, sod,
-                 HALF: tl.constexpr, BLOCK_R: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK_R: tl.constexpr, DTYPE: tl.constexpr, BACKWARD: tl.constexpr,
+                 EMULATE: tl.constexpr):
+    # x is the input (forward) or the output's gradient (BACKWARD); out is y or grad_x
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # flattened (b, h, t)
     row_ok = rows < num_rows
     t = rows % T
@@ -102,6 +141,11 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_rows, H, T,
     c2 = tl.load(c_row + (d[None, :] + HALF) * scd, mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(s_row + d[None, :] * ssd, mask=mask, other=0.0).to(tl.float32)
     s2 = tl.load(s_row + (d[None, :] + HALF) * ssd, mask=mask, other=0.0).to(tl.float32)
+    if BACKWARD:
+        # grad_x = g * cos + rotate_half^T(g * sin), rotate_half^T([a, b]) = [b, -a]:
+        #   [g1 c1 + g2 s2, g2 c2 - g1 s1], the forward's arithmetic with (s1, s2) -> (-s2, -s1).
+        # Negation is exact and RNE is sign-symmetric, so the roundings stay the reference autograd's.
+        s1, s2 = -s2, -s1
     # rotate_half(x) = [-x2, x1]; each product and the sum rounded once to DTYPE, as eager does
     y1 = rounded(x1 * c1, DTYPE) + rounded(-x2 * s1, DTYPE)
     y2 = rounded(x2 * c2, DTYPE) + rounded(x1 * s2, DTYPE)
@@ -112,6 +156,19 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_rows, H, T,
 
 def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Same signature and bit-identical result as ``apply_rope_reference``: x (B, H, T, D), cos/sin (B|1, T, D)."""
+    return _rope(x, cos, sin, backward=False)
+
+
+def apply_rope_backward_triton(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """grad_x of ``apply_rope_reference(x, cos, sin)`` for the output's gradient ``grad`` (B, H, T, D).
+
+    Bit-identical to autograd through the reference: each product rounded to the dtype, then the sum.
+    RoPE is linear in x, so x itself is not needed.
+    """
+    return _rope(grad, cos, sin, backward=True)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
     B, H, T, D = x.shape
     assert D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0, f"head_dim {D}: the kernel takes D/2 a power of two"
     assert cos.dtype == sin.dtype == x.dtype and x.dtype in _TL_DTYPES, (x.dtype, cos.dtype)
@@ -121,31 +178,47 @@ def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     block_r = max(1, min(32, 2048 // D))
     _rope_kernel[(triton.cdiv(num_rows, block_r),)](
         x, cos, sin, out, num_rows, H, T, *x.stride(), *cos.stride(), *sin.stride(), *out.stride(),
-        HALF=D // 2, BLOCK_R=block_r, DTYPE=_TL_DTYPES[x.dtype], EMULATE=_EMULATE, num_warps=4,
+        HALF=D // 2, BLOCK_R=block_r, DTYPE=_TL_DTYPES[x.dtype], BACKWARD=backward, EMULATE=_EMULATE, num_warps=4,
     )
     return out
 
 
 @triton.jit
+def expf(x, EMULATE: tl.constexpr):
+    """exp(x) in fp32 as PyTorch's CUDA silu computes it: libdevice's accurate expf (tl.exp is the fast
+    ex2.approx form); under the interpreter numpy's expf."""
+    if EMULATE:
+        return tl.exp(x)
+    return libdevice.exp(x)
+
+
+@triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, num_rows, num_cols, stride_g, stride_u,
-                     BLOCK: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+                     codes_ptr, scales_ptr, stride_sr, stride_sc,
+                     BLOCK: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr,
+                     QUANT: tl.constexpr, POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < num_cols
     g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    if EMULATE:
-        e = tl.exp(-g)  # the interpreter: numpy's expf
-    else:
-        e = libdevice.exp(-g)  # accurate expf (tl.exp is the fast ex2.approx form)
+    e = expf(-g, EMULATE)
     s = rounded(tl.math.div_rn(g, 1.0 + e), DTYPE)
-    tl.store(out_ptr + row * num_cols + cols, round_to(s * u, DTYPE, EMULATE), mask=mask)
+    y = round_to(s * u, DTYPE, EMULATE)
+    tl.store(out_ptr + row * num_cols + cols, y, mask=mask)
+    if QUANT:  # BLOCK is a multiple of 128: this program's columns are whole groups
+        rows = row + tl.arange(0, 1)
+        _quantize_groups_epilogue(tl.reshape(y.to(tl.float32), (1, BLOCK)), rows, rows < num_rows,
+                                  tl.program_id(1) * (BLOCK // 128), num_cols, codes_ptr, scales_ptr, stride_sr,
+                                  stride_sc, 1, BLOCK, POW2, EXPLICIT_ROUND)
 
 
-def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor, *, quantize_pow2: bool | None = None,
+                    col_major_scales: bool = False):
     """Same signature and result as ``silu_mul_reference``: ``silu(gate) * up``, both (..., I) of one dtype.
 
     Rows may be strided (gate and up as column slices of one stacked GEMM output); the output is contiguous.
+    ``quantize_pow2``: also return the output's codes and scales, as :func:`rms_norm_triton` does.
     """
     assert gate.shape == up.shape and gate.dtype == up.dtype and gate.dtype in _TL_DTYPES, (gate.shape, up.shape)
     cols = gate.shape[-1]
@@ -154,7 +227,9 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     u2 = u2 if u2.stride(-1) == 1 else u2.contiguous()
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     rows, block = g2.shape[0], 1024
-    _silu_mul_kernel[(rows, triton.cdiv(cols, block))](g2, u2, out, rows, cols, g2.stride(0), u2.stride(0),
-                                                       BLOCK=block, DTYPE=_TL_DTYPES[gate.dtype], EMULATE=_EMULATE,
-                                                       num_warps=4)
-    return out
+    codes, scales = _quant_buffers(rows, cols, gate.device, quantize_pow2, col_major_scales, out)
+    _silu_mul_kernel[(rows, triton.cdiv(cols, block))](
+        g2, u2, out, rows, cols, g2.stride(0), u2.stride(0), codes.view(torch.uint8), scales, scales.stride(0),
+        scales.stride(-1), BLOCK=block, DTYPE=_TL_DTYPES[gate.dtype], EMULATE=_EMULATE,
+        QUANT=quantize_pow2 is not None, POW2=bool(quantize_pow2), EXPLICIT_ROUND=explicit_round(), num_warps=4)
+    return out if quantize_pow2 is None else (out, codes, scales)
