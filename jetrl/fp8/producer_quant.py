@@ -95,13 +95,16 @@ class ProducerQuant:
         return y
 
 
-def install_producer_quant(model: nn.Module) -> int:
+def install_producer_quant(model: nn.Module, enabled: bool | None = None) -> int:
     """Fill the producer slots of every decoder layer whose consumer is a Float8Linear; returns how many.
 
-    Opt-in for now: only with ``JETRL_PRODUCER_QUANT=1`` (module docstring, "Status").
+    ``enabled`` None (what the FP8 transform passes) reads ``JETRL_PRODUCER_QUANT``: opt-in for now, only
+    with ``=1`` (module docstring, "Status"). True installs regardless (the bench, tests).
     """
-    if env_choice("JETRL_PRODUCER_QUANT", ("0", "1"), "1 = RMSNorm/SwiGLU kernels write their consumers' FP8 "
-                                                      "input codes; 0 = linear layers quantize their own") != "1":
+    if enabled is None:
+        enabled = env_choice("JETRL_PRODUCER_QUANT", ("0", "1"), "1 = RMSNorm/SwiGLU kernels write their "
+                             "consumers' FP8 input codes; 0 = linear layers quantize their own") == "1"
+    if not enabled:
         return 0
     count = 0
     for layer in model.modules():
