@@ -156,10 +156,8 @@ def _producer_quant_rows(model: nn.Module, batch: int, lengths: list[int], cfg: 
 
 def _producer_quant_exact(model: nn.Module, batch: int, lengths: list[int], device: torch.device) -> bool:
     """Eager decode logits with and without producer quantization, on one engine state: bit-identical?"""
-    engine = Engine(model, max_slots=batch, max_len=max(lengths) + 2)
+    engine = _decode_state(model, batch, lengths, device)
     try:
-        fill_cache(engine.cache, model.config, lengths, device, torch.bfloat16)
-        engine.next_tokens.random_(0, model.config.vocab_size)
         with torch.no_grad(), precision_phase("rollout"):
             plain = engine._decode_forward(batch)
             install_producer_quant(model, enabled=True)
@@ -206,12 +204,18 @@ def _recipe_step_row(name: str, model: nn.Module, recipe: str, batch: int, lengt
         free_device_memory()
 
 
+def _decode_state(model: nn.Module, batch: int, lengths: list[int], device: torch.device) -> Engine:
+    """An engine whose ``batch`` rows hold cached contexts of ``lengths`` (random K/V) and a random pending token."""
+    engine = Engine(model, max_slots=batch, max_len=max(lengths) + 2)
+    fill_cache(engine.cache, model.config, lengths, device, torch.bfloat16)
+    engine.next_tokens.random_(0, model.config.vocab_size)
+    return engine
+
+
 def _decode_step_row(name: str, model: nn.Module, batch: int, lengths: list[int], cfg: BenchConfig,
                      device: torch.device) -> dict[str, Any]:
-    engine = Engine(model, max_slots=batch, max_len=max(lengths) + 2)
+    engine = _decode_state(model, batch, lengths, device)
     try:
-        fill_cache(engine.cache, model.config, lengths, device, torch.bfloat16)
-        engine.next_tokens.random_(0, model.config.vocab_size)
         with torch.no_grad(), precision_phase("rollout"):
             # The engine's own decode forward: graph-capturable, it rewrites each row's pending
             # token at position lengths[s] and does not advance lengths, so replays are idempotent.

@@ -67,7 +67,6 @@ def _gemm_small_m_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, 128)
     row_ok, col_ok = rows < M, cols < N
-    tile_mask = row_ok[:, None] & col_ok[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(GROUPS_PER_SPLIT):
         g = pid_k * GROUPS_PER_SPLIT + i
@@ -80,28 +79,33 @@ def _gemm_small_m_kernel(
         sb = tl.load(sb_ptr + (cols // 128) * stride_sbn + g, mask=col_ok & group_ok, other=0.0)
         partial = tl.dot(a, tl.trans(b), out_dtype=tl.float32)  # (BLOCK_M, BLOCK_N), exact products
         acc += partial * sa[:, None] * sb[None, :]
+    tile_id = pid_m * tl.num_programs(0) + pid_n
     out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+    work = work_ptr + rows[:, None] * N + cols[None, :]
+    _store_tile(acc, out, work, row_ok[:, None] & col_ok[None, :], count_ptr + tile_id, pid_k, M * N, SPLIT_K)
+
+
+@triton.jit
+def _store_tile(acc, out, work, tile_mask, count_ptr, pid_k, tile_elems, SPLIT_K: tl.constexpr):
+    """Write a program's fp32 tile ``acc`` to ``out`` (pointers of the tile), or with ``SPLIT_K > 1`` sum
+    the splits' partial tiles deterministically: every split writes its partial to ``work + pid_k *
+    tile_elems`` and bumps the tile's counter; the split that arrives last sums the SPLIT_K partials in
+    index order, writes the output and resets the counter to 0 for the next call (so CUDA-graph replays
+    need no memset). The barriers make the whole CTA's partial stores precede the (acq_rel) bump, and the
+    bump precede every thread's reads of the other partials (read past L1: .cg)."""
     if SPLIT_K == 1:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
+        tl.store(out, acc.to(out.dtype.element_ty), mask=tile_mask)
     else:
-        # Deterministic split-K: every split writes its fp32 partial tile, then bumps the tile's
-        # counter; the split that arrives last sums the SPLIT_K partials in index order, writes
-        # the output and resets the counter to 0 for the next call (so CUDA-graph replays need no
-        # memset). The barriers make the whole CTA's partial stores precede the (acq_rel) bump,
-        # and the bump precede every thread's reads of the other partials (read past L1: .cg).
-        tile_elems = M * N
-        work = work_ptr + rows[:, None] * N + cols[None, :]
         tl.store(work + pid_k * tile_elems, acc, mask=tile_mask)
         tl.debug_barrier()
-        tile_id = pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(count_ptr + tile_id, 1, sem="acq_rel")
+        arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")
         tl.debug_barrier()
         if arrived == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            total = tl.zeros_like(acc)
             for s in range(SPLIT_K):
                 total += tl.load(work + s * tile_elems, mask=tile_mask, other=0.0, cache_modifier=".cg")
-            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=tile_mask)
-            tl.atomic_xchg(count_ptr + tile_id, 0)
+            tl.store(out, total.to(out.dtype.element_ty), mask=tile_mask)
+            tl.atomic_xchg(count_ptr, 0)
 
 
 MAX_TILES = 65536  # counters per device: M <= 64 rows in 16-row tiles x N up to 262144 in 64-wide tiles
