@@ -99,7 +99,7 @@ def main() -> None:
     rows_env = os.environ.get("SWEEP_ROWS")
     ROWS = tuple(int(v) for v in rows_env.split(",")) if rows_env else (1, 16, 64, 128, 256)
     torch.manual_seed(0)
-    results, summary = [], {}
+    results = []
     t0 = time.time()
     for name, n, k in SHAPES:
         copies = max(2, -(-150_000_000 // (n * k)))

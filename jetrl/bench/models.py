@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from jetrl.fp8 import Float8Linear, convert_to_float8, float8_modules, get_recipe
-from jetrl.fp8.producer_quant import remove_producer_quant
 from jetrl.models import CausalLM, ModelConfig
 
 
@@ -62,7 +61,6 @@ def strip_precision(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if getattr(module, "kv_quant", None) is not None:
             module.kv_quant = None
-    remove_producer_quant(model)
     return model
 
 

@@ -17,7 +17,6 @@ linear layers) and ``jet_kv`` (``jet`` + FP8 KV cache) where that recipe exists.
     Target: BF16 step <= 1.4x its floor.
     One more row times the step's sampling (outside the graph): the fused kernel against the
     PyTorch spec (sampling.py).
-    The FP8 steps run again with producer-side input quantization (opt-in), against the default.
 (e) ``rollout_throughput``: ``Engine.generate`` of B random prompts, P prompt tokens, N new
     tokens each (temperature 1, ignore_eos, so every row runs N steps), after a short warm-up
     generate on the same engine (graph capture, Triton compilation). tok/s = B * N / wall time,
@@ -39,7 +38,7 @@ import torch
 from torch import nn
 
 from jetrl.bench.attention import decode_attention_rows
-from jetrl.bench.checks import GEMM_REL_ERR_MAX, OK, rel_err, status
+from jetrl.bench.checks import GEMM_REL_ERR_MAX, rel_err, status
 from jetrl.bench.hf_generate import hf_generate
 from jetrl.bench.models import (
     decode_weight_bytes,
@@ -55,7 +54,6 @@ from jetrl.bench.synthetic import random_prompts
 from jetrl.bench.timing import floor_ms, time_ms, wall_s
 from jetrl.engine import Engine, SamplingParams
 from jetrl.fp8.kernels import has_triton
-from jetrl.fp8.producer_quant import install_producer_quant, remove_producer_quant
 from jetrl.fp8.recipe import precision_phase
 from jetrl.models.fused import use_fused_ops
 
@@ -117,55 +115,8 @@ def decode_step(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any]]:
         rows.append(row)
     by_name = {r["name"]: r for r in rows if "value" in r}
     rows += _unfused_rows(model, batch, lengths, cfg, device, by_name)
-    rows += _producer_quant_rows(model, batch, lengths, cfg, device, by_name)
     del model
     return rows
-
-
-def _producer_quant_rows(model: nn.Module, batch: int, lengths: list[int], cfg: BenchConfig, device: torch.device,
-                         default: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The FP8 decode steps again with producer-side input quantization (``JETRL_PRODUCER_QUANT=1``, opt-in:
-    jetrl/fp8/producer_quant.py). ``ratio`` is its speedup over the default; the check also requires the
-    eager logits to equal the default path's bit for bit."""
-    rows = []
-    for recipe in _fp8_recipes():
-        base = f"decode step {recipe} B={batch} ctx {cfg.decode_context} L={cfg.layers}"
-        name = f"{base} producer quant"
-        try:
-            set_recipe(model, recipe)
-            exact = _producer_quant_exact(model, batch, lengths, device)
-            producers = install_producer_quant(model, enabled=True)
-            row = _decode_step_row(name, model, batch, lengths, cfg, device)
-        except Exception as exc:  # noqa: BLE001 -- recorded in the row; the other recipes still run
-            row = error_row(name, exc)
-        finally:
-            remove_producer_quant(model)
-            free_device_memory()
-        if "error" in row:
-            rows.append(row)
-            continue
-        row["check"] = status(row["check"] == OK and exact)
-        row["check_detail"] += f", logits {'bit-identical to' if exact else 'DIFFER from'} the default path"
-        if base in default:
-            row.update(baseline=default[base]["value"], baseline_label="default", value_label="producer quant",
-                       ratio=default[base]["value"] / row["value"])
-        row["note"] = f"ratio = speedup over the default; {producers} producer kernels quantize"
-        rows.append(row)
-    return rows
-
-
-def _producer_quant_exact(model: nn.Module, batch: int, lengths: list[int], device: torch.device) -> bool:
-    """Eager decode logits with and without producer quantization, on one engine state: bit-identical?"""
-    engine = _decode_state(model, batch, lengths, device)
-    try:
-        with torch.no_grad(), precision_phase("rollout"):
-            plain = engine._decode_forward(batch)
-            install_producer_quant(model, enabled=True)
-            fused = engine._decode_forward(batch)
-        return torch.equal(plain, fused)
-    finally:
-        remove_producer_quant(model)
-        engine = None
 
 
 def _unfused_rows(model: nn.Module, batch: int, lengths: list[int], cfg: BenchConfig, device: torch.device,

@@ -13,10 +13,8 @@ model's KV hook then quantizes->dequantizes K/V wherever the recipe says so (kv_
 happens even when no linear layer is FP8 (``fp8kv_rollout``). :func:`model_recipe` reads the
 recipe back from a converted model; the engine uses it to pick its KV cache format.
 
-Two inference-only speedups are installed with the linear layers, neither of which changes a value:
-projection groups (q/k/v and gate/up as one stacked GEMM, projection_group.py) and producer
-quantization (opt-in: the RMSNorm and SwiGLU kernels write their FP8 consumers' input codes,
-producer_quant.py).
+One inference-only speedup is installed with the linear layers, which changes no value: projection
+groups (q/k/v and gate/up as one stacked GEMM, projection_group.py).
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ import torch.nn as nn
 
 from jetrl.fp8.kv_quant import KVQuant
 from jetrl.fp8.linear import Float8Linear
-from jetrl.fp8.producer_quant import install_producer_quant
 from jetrl.fp8.projection_group import install_projection_groups
 from jetrl.fp8.recipe import Recipe, check_rollout_subgraph
 
@@ -64,7 +61,6 @@ def convert_to_float8(model: nn.Module, recipe: Recipe, module_filter: ModuleFil
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, Float8Linear.from_float(linear, recipe, name=fqn))
     install_projection_groups(model)  # q/k/v and gate/up: one stacked GEMM in the CUDA rollout
-    install_producer_quant(model)  # opt-in: RMSNorm / SwiGLU kernels write their FP8 consumers' input codes
     return model
 
 

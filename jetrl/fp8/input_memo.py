@@ -36,22 +36,12 @@ class InputMemo(threading.local):
     def get(self, x: torch.Tensor, key: Any, make: Callable[[], Any]) -> Any:
         if x.is_inference():
             return make()
-        full_key = _full_key(x, key)
+        full_key = (x._version, key, x.is_cuda and torch.cuda.is_current_stream_capturing())
         if self._ref is None or self._ref() is not x or self._key != full_key:
             self._value = make()
             self._ref, self._key = weakref.ref(x), full_key
         return self._value
 
-    def offer(self, x: torch.Tensor, key: Any, value: Any) -> None:
-        """Hold ``value`` for ``x`` as if ``get(x, key, make)`` had just computed it: for a producer that
-        computed it already (producer_quant.py). The caller vouches that it equals ``make()``."""
-        if not x.is_inference():
-            self._value, self._ref, self._key = value, weakref.ref(x), _full_key(x, key)
-
     def clear(self) -> None:
         """Drop the held value (and its memory) now."""
         self._ref = self._key = self._value = None
-
-
-def _full_key(x: torch.Tensor, key: Any) -> tuple:
-    return (x._version, key, x.is_cuda and torch.cuda.is_current_stream_capturing())

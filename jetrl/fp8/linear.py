@@ -93,12 +93,6 @@ def _quantize_both(t: torch.Tensor, rows: QuantSpec, tokens: QuantSpec, name: st
 _last_input = InputMemo()  # the last activation quantized without autograd, for sibling layers
 
 
-def offer_quantized_input(x: torch.Tensor, spec: QuantSpec, blocks: Float8Blocks) -> None:
-    """Hand the FP8 linears that read ``x`` next its quantization, computed by the kernel that produced
-    ``x`` (producer_quant.py); ``blocks`` must equal ``quantize(x.reshape(-1, K), spec.block, ...)``."""
-    _last_input.offer(x, spec, blocks)
-
-
 class Float8Linear(nn.Linear):
     """``nn.Linear`` computed under a precision :class:`Recipe`; shares the original parameters.
 

@@ -184,12 +184,6 @@ def quantize_with_transpose(
             quantize(x.t(), (1, BLOCK), pow2_scale=pow2_scale, check_finite=check_finite, name=f"{name}_t"))
 
 
-def report_quantized(out: Float8Blocks, name: str) -> Float8Blocks:
-    """Show the recorders a quantization computed outside :func:`quantize` -- by a kernel that produced the
-    tensor and quantized it in the same pass (producer_quant.py) -- as if ``quantize`` had returned it."""
-    return _finish(out, False, name)
-
-
 def _finish(out: Float8Blocks, check_finite: bool, name: str) -> Float8Blocks:
     if check_finite:
         assert_finite(out, name)

@@ -30,8 +30,6 @@ too wide for the RMSNorm backward kernel (over 8192).
 from __future__ import annotations
 
 import contextlib
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -94,17 +92,14 @@ def use_fused_ops(enabled: bool) -> contextlib.AbstractContextManager[None]:
     return _override(bool(enabled))
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, output_quant: Any = None) -> Tensor:
-    """RMSNorm; ``output_quant`` (jetrl.fp8.producer_quant.ProducerQuant, or None) lets the kernel also
-    write the FP8 codes of the output for the linear layer that reads it, without changing the output."""
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if not fused_ops_enabled(x):
         return rms_norm_reference(x, weight, eps)
     from jetrl.models.kernels.fused_triton import rms_norm_triton
 
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _FusedRMSNorm.apply(x, weight, eps)
-    y = output_quant.rms_norm(x, weight, eps) if output_quant is not None else None
-    return rms_norm_triton(x, weight, eps) if y is None else y
+    return rms_norm_triton(x, weight, eps)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -118,16 +113,15 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return apply_rope_triton(x, cos, sin)
 
 
-def silu_mul(gate: Tensor, up: Tensor, output_quant: Any = None) -> Tensor:
-    """``silu(gate) * up``; ``output_quant`` as in :func:`rms_norm`."""
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) * up``."""
     if not fused_ops_enabled(gate) or gate.shape != up.shape or gate.dtype != up.dtype:
         return silu_mul_reference(gate, up)
     from jetrl.models.kernels.fused_triton import silu_mul_triton
 
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return _FusedSiluMul.apply(gate, up)
-    y = output_quant.silu_mul(gate, up) if output_quant is not None else None
-    return silu_mul_triton(gate, up) if y is None else y
+    return silu_mul_triton(gate, up)
 
 
 class _FusedSiluMul(torch.autograd.Function):

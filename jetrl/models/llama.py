@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -63,12 +63,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        # None in the pure model; the FP8 transform can install jetrl.fp8.producer_quant.ProducerQuant where
-        # an FP8 linear reads this norm's output, so the norm's kernel also writes its FP8 codes (opt-in)
-        self.output_quant: Any = None
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps, self.output_quant)  # the formula: jetrl/models/fused.py
+        return rms_norm(x, self.weight, self.eps)  # the formula: jetrl/models/fused.py
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
@@ -189,10 +186,9 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
-        self.act_quant: Any = None  # as RMSNorm.output_quant, for down_proj's input
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x), self.act_quant))  # silu(gate) * up
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))  # silu(gate) * up
 
 
 class DecoderLayer(nn.Module):

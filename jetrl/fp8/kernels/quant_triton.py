@@ -134,42 +134,6 @@ def _quantize_kernel(
         tl.store(scales_ptr + pid_r * stride_sr + pid_c * stride_sc, scale)
 
 
-@triton.jit
-def _quantize_groups_epilogue(y, rows, row_ok, group0, num_cols, codes_ptr, scales_ptr, stride_sr, stride_sc,
-                              ROWS: tl.constexpr, COLS: tl.constexpr, POW2: tl.constexpr,
-                              EXPLICIT_ROUND: tl.constexpr):
-    """Quantize the fp32 tile ``y`` (ROWS, COLS) in 1x128 groups along its columns and store it: the
-    epilogue of a kernel that *produces* an FP8 linear's input (RMSNorm, SwiGLU; jetrl/fp8/producer_quant.py).
-
-    ``y`` covers rows ``rows`` (ROWS,) and the COLS // 128 whole groups from ``group0`` of an
-    (R, num_cols) tensor; columns past ``num_cols`` must hold 0 and are not stored. Codes go to a
-    row-major (R, num_cols) buffer, scales through (stride_sr, stride_sc). The arithmetic is
-    ``_quantize_kernel``'s, so the result is ``quantize_reference(y, 1, 128)``'s bit for bit.
-    """
-    G: tl.constexpr = COLS // 128
-    y3 = tl.reshape(y, (ROWS, G, 128))
-    amax = _amax(y3, 2)  # (ROWS, G)
-    scale, reciprocal = _scale_and_reciprocal(amax, amax == float("inf"), POW2)
-    bits = _code_bits(y3 * reciprocal[:, :, None], (scale != scale)[:, :, None], EXPLICIT_ROUND)
-    cols = group0 * 128 + tl.arange(0, COLS)
-    mask = row_ok[:, None] & (cols[None, :] < num_cols)
-    tl.store(codes_ptr + rows[:, None] * num_cols + cols[None, :], tl.reshape(bits, (ROWS, COLS)), mask=mask)
-    groups = group0 + tl.arange(0, G)
-    tl.store(scales_ptr + rows[:, None] * stride_sr + groups[None, :] * stride_sc, scale,
-             mask=row_ok[:, None] & (groups[None, :] * 128 < num_cols))
-
-
-def epilogue_buffers(rows: int, cols: int, device: torch.device, col_major_scales: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty (codes (rows, cols) E4M3, scales (rows, cols/128) fp32) for ``_quantize_groups_epilogue``,
-    scales laid out as :func:`quantize_triton` would (column-major for cuBLAS's A operand)."""
-    groups = triton.cdiv(cols, 128)
-    codes = torch.empty((rows, cols), dtype=E4M3, device=device)
-    if col_major_scales:
-        return codes, torch.empty((groups, rows), dtype=torch.float32, device=device).t()
-    return codes, torch.empty((rows, groups), dtype=torch.float32, device=device)
-
-
 def explicit_round() -> bool:
     """Round in software under the interpreter (or with JETRL_QUANT_EXPLICIT_ROUND=1), else by the hardware cast."""
     return os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("JETRL_QUANT_EXPLICIT_ROUND") == "1"

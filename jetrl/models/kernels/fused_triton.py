@@ -36,7 +36,6 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from jetrl.fp8.kernels.quant_triton import _quantize_groups_epilogue, epilogue_buffers, explicit_round
 from jetrl.fp8.kernels.rounding import INTERPRET, round_to, rounded
 
 _EMULATE = INTERPRET
@@ -56,10 +55,8 @@ def row_grid(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, num_cols, inner, stride_outer, stride_inner, stride_o, eps,
-                     codes_ptr, scales_ptr, stride_sr, stride_sc,
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, X_DTYPE: tl.constexpr,
-                     OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr,
-                     QUANT: tl.constexpr, POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr):
+                     OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
     col_ok = cols < num_cols
@@ -73,20 +70,13 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, num_cols, inner, stride_ou
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     y = round_to(w[None, :] * n, OUT_DTYPE, EMULATE)
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], y, mask=mask)
-    if QUANT:  # the FP8 codes of y for the linear layer that reads it (jetrl/fp8/producer_quant.py)
-        _quantize_groups_epilogue(y.to(tl.float32), rows, rows < num_rows, 0, num_cols, codes_ptr, scales_ptr,
-                                  stride_sr, stride_sc, BLOCK_R, BLOCK_C, POW2, EXPLICIT_ROUND)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *, quantize_pow2: bool | None = None,
-                    col_major_scales: bool = False):
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Same signature and result (up to the row sum's order) as ``rms_norm_reference``.
 
     ``x`` may be strided in its leading dims (rows are addressed as an (outer, inner) grid, so a
     (B, T, H, D) view of a wider buffer is read in place); the output is contiguous.
-    With ``quantize_pow2`` set (False: fp32 scales, True: power-of-two), the same kernel also returns
-    ``quantize(y.reshape(-1, D), (1, 128), pow2_scale=quantize_pow2, col_major_scales=...)``'s codes and
-    scales, bit for bit: ``(y, codes, scales)``. D must then be a multiple of 128.
     """
     cols = x.shape[-1]
     assert weight.shape == (cols,) and weight.is_contiguous() and x.dtype in _TL_DTYPES, (x.shape, weight.shape)
@@ -94,29 +84,15 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *, quanti
     inner, num_rows = grid3.shape[1], grid3.shape[0] * grid3.shape[1]
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty((num_rows, cols), dtype=out_dtype, device=x.device)
-    codes, scales = _quant_buffers(num_rows, cols, x.device, quantize_pow2, col_major_scales, out)
     block_c = triton.next_power_of_2(cols)
     block_r = max(1, min(64, 4096 // block_c))
     grid = (triton.cdiv(num_rows, block_r),)
     _rms_norm_kernel[grid](
         grid3, weight, out, num_rows, cols, inner, grid3.stride(0), grid3.stride(1), out.stride(0), eps,
-        codes.view(torch.uint8), scales, scales.stride(0), scales.stride(-1),
         BLOCK_R=block_r, BLOCK_C=block_c, X_DTYPE=_TL_DTYPES[x.dtype], OUT_DTYPE=_TL_DTYPES[out_dtype],
-        EMULATE=_EMULATE, QUANT=quantize_pow2 is not None, POW2=bool(quantize_pow2), EXPLICIT_ROUND=explicit_round(),
-        num_warps=4 if block_c * block_r <= 4096 else 8,
+        EMULATE=_EMULATE, num_warps=4 if block_c * block_r <= 4096 else 8,
     )
-    y = out.view(*x.shape[:-1], cols)
-    return y if quantize_pow2 is None else (y, codes, scales)
-
-
-def _quant_buffers(rows: int, cols: int, device: torch.device, quantize_pow2: bool | None, col_major_scales: bool,
-                   dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and scales for a quantizing epilogue, or (unused) stand-ins when there is none."""
-    if quantize_pow2 is None:
-        return dummy, dummy
-    if cols % 128:
-        raise ValueError(f"a quantizing epilogue needs whole 1x128 groups; the width is {cols}")
-    return epilogue_buffers(rows, cols, device, col_major_scales)
+    return out.view(*x.shape[:-1], cols)
 
 
 @triton.jit
@@ -194,9 +170,7 @@ def expf(x, EMULATE: tl.constexpr):
 
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, num_rows, num_cols, stride_g, stride_u,
-                     codes_ptr, scales_ptr, stride_sr, stride_sc,
-                     BLOCK: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr,
-                     QUANT: tl.constexpr, POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr):
+                     BLOCK: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < num_cols
@@ -204,21 +178,13 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, num_rows, num_cols, stride_g, stride
     u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     e = expf(-g, EMULATE)
     s = rounded(tl.math.div_rn(g, 1.0 + e), DTYPE)
-    y = round_to(s * u, DTYPE, EMULATE)
-    tl.store(out_ptr + row * num_cols + cols, y, mask=mask)
-    if QUANT:  # BLOCK is a multiple of 128: this program's columns are whole groups
-        rows = row + tl.arange(0, 1)
-        _quantize_groups_epilogue(tl.reshape(y.to(tl.float32), (1, BLOCK)), rows, rows < num_rows,
-                                  tl.program_id(1) * (BLOCK // 128), num_cols, codes_ptr, scales_ptr, stride_sr,
-                                  stride_sc, 1, BLOCK, POW2, EXPLICIT_ROUND)
+    tl.store(out_ptr + row * num_cols + cols, round_to(s * u, DTYPE, EMULATE), mask=mask)
 
 
-def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor, *, quantize_pow2: bool | None = None,
-                    col_major_scales: bool = False):
+def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Same signature and result as ``silu_mul_reference``: ``silu(gate) * up``, both (..., I) of one dtype.
 
     Rows may be strided (gate and up as column slices of one stacked GEMM output); the output is contiguous.
-    ``quantize_pow2``: also return the output's codes and scales, as :func:`rms_norm_triton` does.
     """
     assert gate.shape == up.shape and gate.dtype == up.dtype and gate.dtype in _TL_DTYPES, (gate.shape, up.shape)
     cols = gate.shape[-1]
@@ -227,9 +193,7 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor, *, quantize_pow2: bool
     u2 = u2 if u2.stride(-1) == 1 else u2.contiguous()
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     rows, block = g2.shape[0], 1024
-    codes, scales = _quant_buffers(rows, cols, gate.device, quantize_pow2, col_major_scales, out)
-    _silu_mul_kernel[(rows, triton.cdiv(cols, block))](
-        g2, u2, out, rows, cols, g2.stride(0), u2.stride(0), codes.view(torch.uint8), scales, scales.stride(0),
-        scales.stride(-1), BLOCK=block, DTYPE=_TL_DTYPES[gate.dtype], EMULATE=_EMULATE,
-        QUANT=quantize_pow2 is not None, POW2=bool(quantize_pow2), EXPLICIT_ROUND=explicit_round(), num_warps=4)
-    return out if quantize_pow2 is None else (out, codes, scales)
+    _silu_mul_kernel[(rows, triton.cdiv(cols, block))](g2, u2, out, rows, cols, g2.stride(0), u2.stride(0),
+                                                       BLOCK=block, DTYPE=_TL_DTYPES[gate.dtype], EMULATE=_EMULATE,
+                                                       num_warps=4)
+    return out
