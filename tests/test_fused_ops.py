@@ -25,9 +25,16 @@ from jetrl.models.fused import (
 
 SCRIPT = r"""
 import torch
-from jetrl.models.fused import (_FusedRMSNorm, _FusedRoPE, _FusedSiluMul, apply_rope_reference, rms_norm_reference,
-                                silu_mul_reference)
-from jetrl.models.kernels.fused_triton import apply_rope_triton, rms_norm_triton, silu_mul_triton
+from jetrl.models.fused import (_FusedAddRMSNorm, _FusedNormRoPE, _FusedRMSNorm, _FusedRoPE, _FusedSiluMul,
+                                apply_rope_reference, rms_norm_reference, silu_mul_reference)
+from jetrl.models.kernels.fused_triton import (add_rms_norm_triton, apply_rope_triton, norm_rope_triton,
+                                               rms_norm_triton, silu_mul_triton)
+
+
+def close(got, ref, ulps):  # within `ulps` units of the dtype's last place, relative to the tensor's scale
+    ulp = 2.0 ** -7 if ref.dtype == torch.bfloat16 else 2.0 ** -20
+    return float((got.float() - ref.float()).abs().max()) <= ulps * ulp * float(ref.float().abs().max())
+
 
 torch.manual_seed(0)
 for dtype, wdtype in [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.bfloat16, torch.float32)]:
@@ -82,6 +89,57 @@ gq = torch.randn(2, 3, 4, 64)
 (g1,) = torch.autograd.grad(_FusedRoPE.apply(q, ang.cos(), ang.sin()), (q,), gq)
 (g2,) = torch.autograd.grad(apply_rope_reference(q, ang.cos(), ang.sin()), (q,), gq)
 assert torch.allclose(g1, g2, atol=1e-6)
+# residual add + RMSNorm in one kernel: h bit-equal to x + d, y as rms_norm_triton's, batch-invariant
+for dtype in (torch.bfloat16, torch.float32):
+    x, d = (torch.randn(3, 5, 576) * 3).to(dtype), torch.randn(3, 5, 576).to(dtype)
+    w = (1 + 0.1 * torch.randn(576)).to(dtype)
+    h, y = add_rms_norm_triton(x, d, w, 1e-6)
+    assert torch.equal(h, x + d) and h.is_contiguous() and y.is_contiguous()
+    assert close(y, rms_norm_reference(x + d, w, 1e-6), 2), dtype
+    h1, y1 = add_rms_norm_triton(x[1:2, 2:3], d[1:2, 2:3], w, 1e-6)
+    assert torch.equal(y1, y[1:2, 2:3]) and torch.equal(h1, h[1:2, 2:3])
+# q/k-norm + RoPE in one launch: RoPE alone bit for bit; with the norm within ulps of the ops one by one,
+# batch-invariant, strided q/k (column slices of a q|k|v buffer) read in place
+for dtype in (torch.bfloat16, torch.float32):
+    for B, T, Hq, Hk, D, cos_batch in [(2, 5, 4, 2, 64, 2), (3, 1, 8, 2, 128, 3), (1, 3, 2, 1, 32, 1)]:
+        qkv = torch.randn(B, T, (Hq + 2 * Hk) * D).to(dtype) * 2
+        q, k = qkv[..., :Hq * D].view(B, T, Hq, D), qkv[..., Hq * D:(Hq + Hk) * D].view(B, T, Hk, D)
+        ang = torch.randn(cos_batch, T, D // 2).repeat(1, 1, 2)
+        cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+        qo, ko = norm_rope_triton(q, k, None, None, 0.0, cos, sin)
+        assert qo.shape == (B, Hq, T, D) and qo.transpose(1, 2).is_contiguous()
+        assert torch.equal(qo, apply_rope_reference(q.transpose(1, 2), cos, sin))
+        assert torch.equal(ko, apply_rope_reference(k.transpose(1, 2), cos, sin))
+        qw, kw = (1 + 0.1 * torch.randn(D)).to(dtype), (1 + 0.1 * torch.randn(D)).to(dtype)
+        qo, ko = norm_rope_triton(q, k, qw, kw, 1e-6, cos, sin)
+        for got, x, w in ((qo, q, qw), (ko, k, kw)):
+            ref = apply_rope_reference(rms_norm_reference(x, w, 1e-6).transpose(1, 2), cos, sin)
+            assert close(got, ref, 4), (dtype, B, T, D)
+        q2, k2 = norm_rope_triton(q.contiguous(), k.contiguous(), qw, kw, 1e-6, cos, sin)
+        assert torch.equal(q2, qo) and torch.equal(k2, ko)
+        if cos_batch == B:  # one row alone: the same bits
+            q1, k1 = norm_rope_triton(q[-1:], k[-1:], qw, kw, 1e-6, cos[-1:], sin[-1:])
+            assert torch.equal(q1, qo[-1:]) and torch.equal(k1, ko[-1:])
+# their autograd wrappers give the references' gradients
+x, d = torch.randn(4, 256, requires_grad=True), torch.randn(4, 256, requires_grad=True)
+w = (1 + 0.1 * torch.randn(256)).requires_grad_()
+gh, gy = torch.randn(4, 256), torch.randn(4, 256)
+h, y = _FusedAddRMSNorm.apply(x, d, w, 1e-6)
+got = torch.autograd.grad((h * gh).sum() + (y * gy).sum(), (x, d, w))
+h = x + d
+ref = torch.autograd.grad((h * gh).sum() + (rms_norm_reference(h, w, 1e-6) * gy).sum(), (x, d, w))
+assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, ref))
+q = torch.randn(2, 4, 3, 64, requires_grad=True)
+k = torch.randn(2, 4, 1, 64, requires_grad=True)
+qw, kw = (1 + 0.1 * torch.randn(64)).requires_grad_(), (1 + 0.1 * torch.randn(64)).requires_grad_()
+ang = torch.randn(2, 4, 32).repeat(1, 1, 2)
+gq, gk = torch.randn(2, 3, 4, 64), torch.randn(2, 1, 4, 64)
+qo, ko = _FusedNormRoPE.apply(q, k, qw, kw, 1e-6, ang.cos(), ang.sin())
+got = torch.autograd.grad((qo * gq).sum() + (ko * gk).sum(), (q, k, qw, kw))
+qr = apply_rope_reference(rms_norm_reference(q, qw, 1e-6).transpose(1, 2), ang.cos(), ang.sin())
+kr = apply_rope_reference(rms_norm_reference(k, kw, 1e-6).transpose(1, 2), ang.cos(), ang.sin())
+ref = torch.autograd.grad((qr * gq).sum() + (kr * gk).sum(), (q, k, qw, kw))
+assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, ref)), [float((a - b).abs().max()) for a, b in zip(got, ref)]
 print("OK")
 """
 
@@ -121,6 +179,7 @@ def test_references_are_the_model_math():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fused_kernels_on_cuda_and_in_the_model():
     from jetrl.models import CausalLM, ModelConfig
+    from jetrl.models.llama import RMSNorm
 
     torch.manual_seed(0)
     q = torch.randn(4, 9, 8, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
@@ -135,6 +194,20 @@ def test_fused_kernels_on_cuda_and_in_the_model():
         g, u = x * 3, x.flip(0)
         assert torch.equal(silu_mul(g, u), silu_mul_reference(g, u))
         assert float(((rms_norm(x, w, 1e-6).float() - ref_norm.float()).abs() / ref_norm.float().abs().clamp_min(1e-3)).max()) <= 2**-7
+        from jetrl.models.fused import add_rms_norm, norm_rope
+
+        h, y = add_rms_norm(x, x.flip(0), w, 1e-6)
+        ref_y = rms_norm_reference(x + x.flip(0), w, 1e-6)
+        assert torch.equal(h, x + x.flip(0))
+        assert float((y.float() - ref_y.float()).abs().max()) <= 2 * 2**-7 * float(ref_y.float().abs().max())
+        qkv = torch.randn(4, 9, 12 * 128, device="cuda", dtype=torch.bfloat16)  # 8 q heads, 2 k, 2 v
+        qn, kn = RMSNorm(128, 1e-6).cuda().bfloat16(), RMSNorm(128, 1e-6).cuda().bfloat16()
+        with torch.no_grad():
+            qn.weight.normal_(1, 0.1), kn.weight.normal_(1, 0.1)
+            q, k = qkv[..., :1024].view(4, 9, 8, 128), qkv[..., 1024:1280].view(4, 9, 2, 128)
+            for got, x_, n in zip(norm_rope(q, k, cos, sin, qn, kn), (q, k), (qn, kn)):
+                ref = apply_rope_reference(rms_norm_reference(x_, n.weight, 1e-6).transpose(1, 2), cos, sin)
+                assert float((got.float() - ref.float()).abs().max()) <= 4 * 2**-7 * float(ref.float().abs().max())
     cfg = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, qk_norm=True, architecture="Qwen3ForCausalLM")
     model = CausalLM(cfg).to("cuda", torch.bfloat16)

@@ -30,6 +30,7 @@ too wide for the RMSNorm backward kernel (over 8192).
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -102,6 +103,42 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return rms_norm_triton(x, weight, eps)
 
 
+def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``h = x + delta`` and ``rms_norm(h, weight, eps)``: a residual add and the norm that reads it, one
+    kernel on the fused path (the reference: the two ops)."""
+    if not fused_ops_enabled(x) or x.shape != delta.shape or x.dtype != delta.dtype:
+        h = x + delta
+        return h, rms_norm(h, weight, eps)
+    from jetrl.models.kernels.fused_triton import add_rms_norm_triton
+
+    if torch.is_grad_enabled() and (x.requires_grad or delta.requires_grad or weight.requires_grad):
+        return _FusedAddRMSNorm.apply(x, delta, weight, eps)
+    return add_rms_norm_triton(x, delta, weight, eps)
+
+
+def norm_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_norm: Any = None,
+              k_norm: Any = None) -> tuple[Tensor, Tensor]:
+    """Attention's q (B, T, Hq, D) and k (B, T, Hk, D) -> per-head RMSNorm (the ``q_norm``/``k_norm``
+    modules, Qwen3; skipped when None) -> RoPE, returned as (B, H, T, D). One kernel for all of it on
+    the fused path; the reference is the ops one by one (``rms_norm``, ``apply_rope``)."""
+    norm = q_norm is not None
+    half = q.shape[-1] // 2
+    weights = (q_norm.weight, k_norm.weight) if norm else (None, None)
+    if (fused_ops_enabled(q) and q.shape[-1] % 2 == 0 and not half & (half - 1)
+            and q.dtype == k.dtype == cos.dtype == sin.dtype
+            and (not norm or (q_norm.eps == k_norm.eps and weights[0].dtype == weights[1].dtype == q.dtype))):
+        from jetrl.models.kernels.fused_triton import norm_rope_triton
+
+        eps = q_norm.eps if norm else 0.0
+        tensors = (q, k, *weights) if norm else (q, k)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return _FusedNormRoPE.apply(q, k, *weights, eps, cos, sin)
+        return norm_rope_triton(q, k, *weights, eps, cos, sin)
+    if norm:
+        q, k = q_norm(q), k_norm(k)
+    return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     if not fused_ops_enabled(x) or x.shape[-1] % 2 or half & (half - 1) or not (x.dtype == cos.dtype == sin.dtype):
@@ -152,15 +189,61 @@ class _FusedRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from jetrl.models.kernels.fused_backward_triton import RMS_NORM_BACKWARD_MAX_COLS, rms_norm_backward_triton
-
         x, weight = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad[:2]
-        if x.shape[-1] > RMS_NORM_BACKWARD_MAX_COLS:  # too wide for one row in registers: the reference
-            return (*_reference_grads(lambda a, w: rms_norm_reference(a, w, ctx.eps), (x, weight), grad,
-                                      (need_x, need_w)), None)
-        grad_x, grad_w = rms_norm_backward_triton(x, weight, ctx.eps, grad, need_weight_grad=need_w)
-        return (grad_x if need_x else None), grad_w, None
+        return (*_rms_norm_grads(x, weight, ctx.eps, grad, *ctx.needs_input_grad[:2]), None)
+
+
+class _FusedAddRMSNorm(torch.autograd.Function):
+    """(h, y) = (x + delta, rms_norm(h)); grad_x = grad_delta = grad_h + the norm's grad wrt h, the sum
+    autograd forms for h's two uses in the unfused graph."""
+
+    @staticmethod
+    def forward(ctx, x, delta, weight, eps):
+        from jetrl.models.kernels.fused_triton import add_rms_norm_triton
+
+        h, y = add_rms_norm_triton(x, delta, weight, eps)
+        ctx.save_for_backward(h, weight)
+        ctx.eps = eps
+        return h, y
+
+    @staticmethod
+    def backward(ctx, grad_h, grad_y):
+        h, weight = ctx.saved_tensors
+        need_x, need_delta, need_w = ctx.needs_input_grad[:3]
+        grad_w = None
+        if grad_y is not None:
+            grad_norm, grad_w = _rms_norm_grads(h, weight, ctx.eps, grad_y, need_x or need_delta, need_w)
+            grad_h = grad_norm if grad_h is None or grad_norm is None else grad_h + grad_norm
+        return (grad_h if need_x else None), (grad_h if need_delta else None), grad_w, None
+
+
+class _FusedNormRoPE(torch.autograd.Function):
+    """norm_rope_triton with weights; backward: RoPE's backward kernel, then RMSNorm's."""
+
+    @staticmethod
+    def forward(ctx, q, k, q_weight, k_weight, eps, cos, sin):
+        from jetrl.models.kernels.fused_triton import norm_rope_triton
+
+        ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin)
+        ctx.eps = eps
+        return norm_rope_triton(q, k, q_weight, k_weight, eps, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        from jetrl.models.kernels.fused_triton import apply_rope_backward_triton
+
+        q, k, q_weight, k_weight, cos, sin = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        grads = [None] * 7
+        for i, (x, weight, grad) in enumerate(((q, q_weight, grad_q), (k, k_weight, grad_k))):
+            if grad is None or not (needs[i] or needs[2 + i]):
+                continue
+            grad = apply_rope_backward_triton(grad, cos, sin).transpose(1, 2)  # wrt the normed (B, T, H, D)
+            if weight is None:
+                grads[i] = grad
+            else:
+                grads[i], grads[2 + i] = _rms_norm_grads(x, weight, ctx.eps, grad, needs[i], needs[2 + i])
+        return tuple(grads)
 
 
 class _FusedRoPE(torch.autograd.Function):
@@ -177,6 +260,18 @@ class _FusedRoPE(torch.autograd.Function):
 
         cos, sin = ctx.saved_tensors
         return apply_rope_backward_triton(grad, cos, sin), None, None
+
+
+def _rms_norm_grads(x: Tensor, weight: Tensor, eps: float, grad: Tensor, need_x: bool,
+                    need_w: bool) -> tuple[Tensor | None, Tensor | None]:
+    """(grad_x, grad_weight) of ``rms_norm_reference(x, weight, eps)``: the backward kernel, or autograd
+    through the reference for rows too wide for it."""
+    from jetrl.models.kernels.fused_backward_triton import RMS_NORM_BACKWARD_MAX_COLS, rms_norm_backward_triton
+
+    if x.shape[-1] > RMS_NORM_BACKWARD_MAX_COLS:  # too wide for one row in registers: the reference
+        return tuple(_reference_grads(lambda a, w: rms_norm_reference(a, w, eps), (x, weight), grad, (need_x, need_w)))
+    grad_x, grad_w = rms_norm_backward_triton(x, weight, eps, grad, need_weight_grad=need_w)
+    return (grad_x if need_x else None), grad_w
 
 
 def _reference_grads(fn, inputs: tuple[Tensor, ...], grad: Tensor, needed: tuple[bool, ...]) -> list[Tensor | None]:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from jetrl.models.config import ModelConfig
-from jetrl.models.fused import apply_rope, rms_norm, silu_mul
+from jetrl.models.fused import add_rms_norm, norm_rope, rms_norm, silu_mul
 
 
 class KVCache(Protocol):
@@ -66,6 +66,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(x, self.weight, self.eps)  # the formula: jetrl/models/fused.py
+
+    def add_forward(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+        """``(x + delta, self(x + delta))``: a residual add and this norm, one kernel on the fused path."""
+        return add_rms_norm(x, delta, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
@@ -133,10 +137,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = norm_rope(q, k, cos, sin, self.q_norm, self.k_norm)  # (B, H, T, D): q/k-norm (Qwen3), then RoPE
+        v = v.transpose(1, 2)
         # KV hook: the single place where final K/V (post k-norm, post RoPE) exist.
         # A cache stores them here (an FP8 cache quantizes here) and returns all K/V to attend over;
         # without a cache, ``kv_quant`` applies the same quantize->dequantize (FP8 KV recipes).
@@ -202,8 +204,9 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, kv_cache: KVCache | None = None
     ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, normed = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), cos, sin,
+                                                                                    mask, kv_cache))
+        return x + self.mlp(normed)
 
 
 def build_attn_mask(attention_mask: Tensor | None, T: int, offset: int, device: torch.device) -> Tensor | None:

@@ -55,8 +55,9 @@ def row_grid(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, num_cols, inner, stride_outer, stride_inner, stride_o, eps,
+                     d_ptr, h_ptr,
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, X_DTYPE: tl.constexpr,
-                     OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+                     OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr, ADD: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
     col_ok = cols < num_cols
@@ -64,6 +65,10 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, num_cols, inner, stride_ou
     # row r of the (outer, inner) row grid: x may be a strided view (a column slice of a stacked GEMM)
     x_rows = (rows // inner) * stride_outer + (rows % inner) * stride_inner
     x = tl.load(x_ptr + x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ADD:  # the residual add first: h = x + d (x, d and h contiguous), normalized below
+        d = tl.load(d_ptr + rows[:, None] * num_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = rounded(x + d, X_DTYPE)
+        tl.store(h_ptr + rows[:, None] * num_cols + cols[None, :], round_to(x, X_DTYPE, EMULATE), mask=mask)
     mean_square = tl.math.div_rn(tl.sum(x * x, axis=1), num_cols.to(tl.float32))
     r = tl.math.rsqrt(mean_square + eps)
     n = rounded(x * r[:, None], X_DTYPE)
@@ -81,18 +86,42 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     cols = x.shape[-1]
     assert weight.shape == (cols,) and weight.is_contiguous() and x.dtype in _TL_DTYPES, (x.shape, weight.shape)
     grid3 = row_grid(x)
-    inner, num_rows = grid3.shape[1], grid3.shape[0] * grid3.shape[1]
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
-    out = torch.empty((num_rows, cols), dtype=out_dtype, device=x.device)
+    out = torch.empty((grid3.shape[0] * grid3.shape[1], cols), dtype=out_dtype, device=x.device)
+    _launch_rms_norm(grid3, weight, out, eps, None, None)
+    return out.view(*x.shape[:-1], cols)
+
+
+def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + delta`` (rounded once to x's dtype, as PyTorch adds) and ``rms_norm(h)``, in one pass: the
+    residual add before a decoder layer's second norm. x and delta of one dtype and shape; both results
+    contiguous. The norm is ``rms_norm_triton``'s arithmetic (its row sum may be ordered differently)."""
+    cols = x.shape[-1]
+    assert x.shape == delta.shape and x.dtype == delta.dtype and x.dtype in _TL_DTYPES, (x.shape, delta.shape)
+    assert weight.shape == (cols,) and weight.is_contiguous(), (weight.shape, cols)
+    x2, d2 = x.reshape(-1, cols).contiguous(), delta.reshape(-1, cols).contiguous()
+    h = torch.empty_like(x2)
+    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    _launch_rms_norm(x2.view(-1, 1, cols), weight, out, eps, d2, h)
+    return h.view(x.shape), out.view(x.shape)
+
+
+def _launch_rms_norm(grid3: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float,
+                     delta: torch.Tensor | None, h: torch.Tensor | None) -> None:
+    """One launch of ``_rms_norm_kernel`` over the (outer, inner, C) rows of ``grid3``; with ``delta`` and
+    ``h`` (contiguous) it adds ``delta`` first and writes the sum to ``h``. The tiles depend on C only,
+    so a row's result does not depend on the batch."""
+    num_rows, cols = out.shape
     block_c = triton.next_power_of_2(cols)
     block_r = max(1, min(64, 4096 // block_c))
     grid = (triton.cdiv(num_rows, block_r),)
     _rms_norm_kernel[grid](
-        grid3, weight, out, num_rows, cols, inner, grid3.stride(0), grid3.stride(1), out.stride(0), eps,
-        BLOCK_R=block_r, BLOCK_C=block_c, X_DTYPE=_TL_DTYPES[x.dtype], OUT_DTYPE=_TL_DTYPES[out_dtype],
-        EMULATE=_EMULATE, num_warps=4 if block_c * block_r <= 4096 else 8,
+        grid3, weight, out, num_rows, cols, grid3.shape[1], grid3.stride(0), grid3.stride(1), out.stride(0), eps,
+        out if delta is None else delta, out if h is None else h,
+        BLOCK_R=block_r, BLOCK_C=block_c, X_DTYPE=_TL_DTYPES[grid3.dtype], OUT_DTYPE=_TL_DTYPES[out.dtype],
+        EMULATE=_EMULATE, ADD=delta is not None, num_warps=4 if block_c * block_r <= 4096 else 8,
     )
-    return out.view(*x.shape[:-1], cols)
 
 
 @triton.jit
@@ -157,6 +186,90 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool)
         HALF=D // 2, BLOCK_R=block_r, DTYPE=_TL_DTYPES[x.dtype], BACKWARD=backward, EMULATE=_EMULATE, num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _norm_rope_rows(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, block, num_rows, H, T, sxb, sxt, sxh,
+                    scb, sct, ssb, sst, eps, HALF: tl.constexpr, BLOCK_R: tl.constexpr, NORM: tl.constexpr,
+                    DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """Rows ``block * BLOCK_R + [0, BLOCK_R)`` of x (B, T, H, 2 HALF), flattened with h fastest: the per-head
+    RMSNorm (if NORM), then RoPE, into the contiguous (B, T, H, 2 HALF) ``out``. cos/sin rows have unit
+    column stride."""
+    rows = block.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask = (rows < num_rows)[:, None]
+    h = rows % H
+    t = (rows // H) % T
+    b = rows // (H * T)
+    d = tl.arange(0, HALF)
+    x_row = x_ptr + (b * sxb + t * sxt + h * sxh)[:, None]
+    x1 = tl.load(x_row + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    if NORM:  # rms_norm_reference's arithmetic (the row sum in this kernel's order), rounded to DTYPE
+        r = tl.math.rsqrt(tl.math.div_rn(tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1), 2.0 * HALF) + eps)
+        w1 = tl.load(w_ptr + d).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + d).to(tl.float32)
+        x1 = rounded(w1[None, :] * rounded(x1 * r[:, None], DTYPE), DTYPE)
+        x2 = rounded(w2[None, :] * rounded(x2 * r[:, None], DTYPE), DTYPE)
+    c_row = cos_ptr + (b * scb + t * sct)[:, None]
+    s_row = sin_ptr + (b * ssb + t * sst)[:, None]
+    c1 = tl.load(c_row + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(c_row + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(s_row + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(s_row + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    y1 = rounded(x1 * c1, DTYPE) + rounded(-x2 * s1, DTYPE)  # _rope_kernel's arithmetic
+    y2 = rounded(x2 * c2, DTYPE) + rounded(x1 * s2, DTYPE)
+    o_row = out_ptr + (rows * (2 * HALF))[:, None]
+    tl.store(o_row + d[None, :], round_to(y1, DTYPE, EMULATE), mask=mask)
+    tl.store(o_row + HALF + d[None, :], round_to(y2, DTYPE, EMULATE), mask=mask)
+
+
+@triton.jit
+def _norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, q_rows, k_rows, q_blocks,
+                      Hq, Hk, T, sqb, sqt, sqh, skb, skt, skh, scb, sct, ssb, sst, eps,
+                      HALF: tl.constexpr, BLOCK_R: tl.constexpr, NORM: tl.constexpr, DTYPE: tl.constexpr,
+                      EMULATE: tl.constexpr):
+    # one launch for q and k: the first q_blocks programs take q's rows, the rest k's
+    pid = tl.program_id(0)
+    if pid < q_blocks:
+        _norm_rope_rows(q_ptr, qw_ptr, cos_ptr, sin_ptr, qo_ptr, pid, q_rows, Hq, T, sqb, sqt, sqh, scb, sct, ssb, sst,
+                        eps, HALF, BLOCK_R, NORM, DTYPE, EMULATE)
+    else:
+        _norm_rope_rows(k_ptr, kw_ptr, cos_ptr, sin_ptr, ko_ptr, pid - q_blocks, k_rows, Hk, T, skb, skt, skh, scb, sct,
+                        ssb, sst, eps, HALF, BLOCK_R, NORM, DTYPE, EMULATE)
+
+
+def norm_rope_triton(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                     eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention's q/k preparation in one launch: per-head RMSNorm (with weights; none without them) then
+    RoPE, for q (B, T, Hq, D) and k (B, T, Hk, D), which may be column slices of one stacked GEMM output.
+    Returns them as (B, H, T, D) views of contiguous (B, T, H, D) buffers, as the unfused path does.
+
+    Arithmetic: ``rms_norm_reference`` (row sum in this kernel's order: the norm may differ from
+    ``rms_norm_triton``'s in the last bit, and is batch-invariant) then ``apply_rope_reference``, bit for
+    bit given the normed values. q, k, weights, cos and sin share one dtype; D / 2 is a power of two.
+    """
+    B, T, Hq, D = q.shape
+    assert k.shape[:2] == (B, T) and k.shape[3] == D and D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0, (q.shape, k.shape)
+    assert q.dtype == k.dtype == cos.dtype == sin.dtype and q.dtype in _TL_DTYPES, (q.dtype, k.dtype, cos.dtype)
+    norm = q_weight is not None
+    assert (k_weight is not None) == norm and (not norm or q_weight.dtype == k_weight.dtype == q.dtype)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    cos, sin = cos.expand(B, T, D), sin.expand(B, T, D)
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    qo = torch.empty((B, T, Hq, D), dtype=q.dtype, device=q.device)
+    ko = torch.empty((B, T, k.shape[2], D), dtype=q.dtype, device=q.device)
+    block_r = max(1, min(32, 2048 // D))
+    q_rows, k_rows = B * T * Hq, B * T * k.shape[2]
+    q_blocks = triton.cdiv(q_rows, block_r)
+    _norm_rope_kernel[(q_blocks + triton.cdiv(k_rows, block_r),)](
+        q, k, q_weight if norm else q, k_weight if norm else k, cos, sin, qo, ko, q_rows, k_rows, q_blocks,
+        Hq, k.shape[2], T, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), eps,
+        HALF=D // 2, BLOCK_R=block_r, NORM=norm, DTYPE=_TL_DTYPES[q.dtype], EMULATE=_EMULATE, num_warps=4,
+    )
+    return qo.transpose(1, 2), ko.transpose(1, 2)
 
 
 @triton.jit
