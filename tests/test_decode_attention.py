@@ -157,6 +157,14 @@ def test_bad_inputs_raise_actionable_errors(match, args, kwargs):
         decode_attention(*args, **kwargs)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_longest_first_on_cuda_is_the_stable_argsort():
+    pytest.importorskip("triton")
+    for n in (1, 256, 1000):
+        lengths = torch.randint(0, 50, (n,), device="cuda") * 10
+        assert torch.equal(longest_first(lengths), torch.argsort(lengths, descending=True, stable=True)), n
+
+
 def test_backend_selection(monkeypatch):
     with use_decode_attention_backend("triton"):
         assert decode_attention_backend("cpu") == "triton"
@@ -338,6 +346,12 @@ for pow2, num_splits in ((True, 1), (True, 3), (False, 2)):
     ordered = decode_attention_triton(q, k, v, lengths, k_scales=ks, v_scales=vs, pow2_scales=pow2, block_s=16,
                                       num_splits=num_splits, row_order=longest_first(lengths))
     assert torch.equal(plain, ordered), (pow2, num_splits)
+# The order itself: the counting kernel is the stable descending argsort (ties, zeros, several programs)
+from jetrl.engine.kernels.row_order_triton import longest_first_triton
+for n in (1, 7, 64, 200, 300):
+    lens = torch.randint(0, 9, (n,)) * 100
+    assert torch.equal(longest_first_triton(lens), torch.argsort(lens, descending=True, stable=True)), n
+assert longest_first_triton(torch.zeros(0, dtype=torch.int64)).shape == (0,)
 # fp16 models take the same path; fp32 ones keep the in-loop dequantization (q is not exact in fp16)
 for dtype in (fp16, fp32):
     q, k, v, lengths, ks, vs = make_inputs(len(LENGTHS), 8, 2, S, 64, LENGTHS, dtype, True, seed=60, pow2=True)
