@@ -1,4 +1,5 @@
-"""RMSNorm, RoPE and SwiGLU as functions with a PyTorch reference (the spec) and a fused Triton kernel.
+"""RMSNorm, RoPE and SwiGLU (and their fusions: residual add + RMSNorm, q/k-norm + RoPE) as functions
+with a PyTorch reference (the spec) and a fused Triton kernel.
 
 Why: the decoder calls these on every layer; on a GPU at decode sizes each eager op is its own
 launch-bound kernel (docs/benchmarks.md, section d). The fused Triton kernels
@@ -6,7 +7,8 @@ launch-bound kernel (docs/benchmarks.md, section d). The fused Triton kernels
 model's math, unchanged; they run on CPU always, and on CUDA when the fused path is off.
 
 Backend: fused on CUDA with Triton by default; ``JETRL_FUSED_OPS=0`` turns it off, and
-``use_fused_ops(flag)`` overrides both inside a block (in-process, for tests and the bench).
+``use_fused_ops(flag)`` overrides both inside a block (in-process, for tests and the bench). The same
+switch governs the trainer's fused chosen-token logprobs (jetrl/rl/token_logprobs.py).
 ``jetrl bench`` section (d) times the decode step both ways; the kernels are tested against the
 references under ``TRITON_INTERPRET=1`` on CPU and on the GPU by tests/test_fused_ops.py.
 
@@ -71,7 +73,7 @@ def fused_ops_requested() -> bool:
     """Whether the fused path is asked for: the innermost :func:`use_fused_ops`, else ``JETRL_FUSED_OPS``."""
     if _override.value is not None:
         return _override.value
-    flag = env_choice(_ENV, ("0", "1"), "1 = fused RMSNorm/RoPE/SwiGLU kernels on CUDA, the default; 0 = PyTorch ops")
+    flag = env_choice(_ENV, ("0", "1"), "1 = fused RMSNorm/RoPE/SwiGLU/logprob kernels on CUDA, the default; 0 = PyTorch ops")
     return flag != "0"
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor, nn
 
+from jetrl.rl.token_logprobs import token_logprobs
+
 
 @dataclass
 class RolloutBatch:
@@ -81,13 +83,5 @@ def completion_logprobs(model: nn.Module, batch: RolloutBatch, temperature: floa
     offsets = torch.arange(comp_len, device=device)
     positions = (batch.prompt_lengths.to(device)[:, None] - 1 + offsets).clamp(max=hidden.shape[1] - 1)  # (B, T)
     h = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, T, H)
-    logits = model.logits_from_hidden(h).float()  # (B, T, V)
-    if temperature != 1.0:
-        logits = logits / temperature
-    log_probs = torch.log_softmax(logits, dim=-1)
-    token_lp = log_probs.gather(-1, batch.completion_ids.to(device)[..., None]).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return token_lp, entropy
+    logits = model.logits_from_hidden(h)  # (B, T, V) in the model dtype
+    return token_logprobs(logits, batch.completion_ids.to(device), temperature, with_entropy)
