@@ -140,6 +140,11 @@ qr = apply_rope_reference(rms_norm_reference(q, qw, 1e-6).transpose(1, 2), ang.c
 kr = apply_rope_reference(rms_norm_reference(k, kw, 1e-6).transpose(1, 2), ang.cos(), ang.sin())
 ref = torch.autograd.grad((qr * gq).sum() + (kr * gk).sum(), (q, k, qw, kw))
 assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, ref)), [float((a - b).abs().max()) for a, b in zip(got, ref)]
+qo, ko = _FusedNormRoPE.apply(q, k, None, None, 0.0, ang.cos(), ang.sin())  # no q/k norm (Llama): RoPE only
+got = torch.autograd.grad((qo * gq).sum() + (ko * gk).sum(), (q, k))
+ref = torch.autograd.grad((apply_rope_reference(q.transpose(1, 2), ang.cos(), ang.sin()) * gq).sum()
+                          + (apply_rope_reference(k.transpose(1, 2), ang.cos(), ang.sin()) * gk).sum(), (q, k))
+assert all(torch.equal(a, b) for a, b in zip(got, ref))
 print("OK")
 """
 
