@@ -76,6 +76,10 @@ def test_bad_arguments_raise_actionable_errors():
         token_logprobs(torch.randn(2, 5), torch.zeros(2, dtype=torch.int64), 0.0)
     with pytest.raises(ValueError, match="one token per row"):
         token_logprobs(torch.randn(2, 5), torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="integer tensor"):
+        token_logprobs(torch.randn(2, 5), torch.zeros(2))
+    logits, tokens = torch.randn(2, 5), torch.tensor([1, 4], dtype=torch.int32)  # int32 ids work too
+    assert torch.equal(token_logprobs(logits, tokens)[0], torch.log_softmax(logits, -1)[[0, 1], [1, 4]])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

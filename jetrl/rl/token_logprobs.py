@@ -18,12 +18,12 @@ from torch import Tensor
 
 def token_logprobs_reference(logits: Tensor, tokens: Tensor, temperature: float = 1.0,
                              with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-    """(lp, entropy or None), each shaped like ``tokens``, fp32; logits (..., V), tokens (...) int64."""
+    """(lp, entropy or None), each shaped like ``tokens``, fp32; logits (..., V), tokens (...) integer."""
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
-    lp = log_probs.gather(-1, tokens[..., None]).squeeze(-1)
+    lp = log_probs.gather(-1, tokens[..., None].long()).squeeze(-1)
     entropy = None
     if with_entropy:
         with torch.no_grad():
@@ -39,6 +39,9 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0,
         raise ValueError(f"temperature must be > 0 for logprobs, got {temperature}")
     if logits.shape[:-1] != tokens.shape:
         raise ValueError(f"logits {tuple(logits.shape)} need one token per row, got tokens {tuple(tokens.shape)}")
+    if tokens.is_floating_point() or tokens.device != logits.device:
+        raise ValueError(f"tokens must be an integer tensor on the logits' device ({logits.device}), "
+                         f"got {tokens.dtype} on {tokens.device}")
     from jetrl.models.fused import fused_ops_enabled
 
     if not fused_ops_enabled(logits):
