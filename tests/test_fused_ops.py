@@ -89,7 +89,7 @@ gq = torch.randn(2, 3, 4, 64)
 (g1,) = torch.autograd.grad(_FusedRoPE.apply(q, ang.cos(), ang.sin()), (q,), gq)
 (g2,) = torch.autograd.grad(apply_rope_reference(q, ang.cos(), ang.sin()), (q,), gq)
 assert torch.allclose(g1, g2, atol=1e-6)
-# residual add + RMSNorm in one kernel: h bit-equal to x + d, y as rms_norm_triton's, batch-invariant
+# residual add + RMSNorm in one kernel: h bit-equal to x + d, y within 2 ulps of the reference, batch-invariant
 for dtype in (torch.bfloat16, torch.float32):
     x, d = (torch.randn(3, 5, 576) * 3).to(dtype), torch.randn(3, 5, 576).to(dtype)
     w = (1 + 0.1 * torch.randn(576)).to(dtype)
@@ -140,6 +140,20 @@ qr = apply_rope_reference(rms_norm_reference(q, qw, 1e-6).transpose(1, 2), ang.c
 kr = apply_rope_reference(rms_norm_reference(k, kw, 1e-6).transpose(1, 2), ang.cos(), ang.sin())
 ref = torch.autograd.grad((qr * gq).sum() + (kr * gk).sum(), (q, k, qw, kw))
 assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, ref)), [float((a - b).abs().max()) for a, b in zip(got, ref)]
+# bf16, q/k as column slices of a q|k|v buffer (the model's layout), a batch-1 cos/sin table
+qkv = torch.randn(2, 4, 6 * 64).bfloat16().requires_grad_()
+qs, ks = qkv[..., :256].view(2, 4, 4, 64), qkv[..., 256:320].view(2, 4, 1, 64)
+qw16, kw16 = ((1 + 0.1 * torch.randn(64)).bfloat16().requires_grad_() for _ in range(2))
+c16, s16 = ang[:1].cos().bfloat16(), ang[:1].sin().bfloat16()
+g16q, g16k = torch.randn(2, 4, 4, 64).bfloat16(), torch.randn(2, 1, 4, 64).bfloat16()
+qo, ko = _FusedNormRoPE.apply(qs, ks, qw16, kw16, 1e-6, c16, s16)
+assert torch.equal(qo, norm_rope_triton(qs, ks, qw16, kw16, 1e-6, c16, s16)[0])  # autograd runs the same kernel
+got = torch.autograd.grad((qo.float() * g16q.float()).sum() + (ko.float() * g16k.float()).sum(), (qkv, qw16, kw16))
+qr = apply_rope_reference(rms_norm_reference(qs, qw16, 1e-6).transpose(1, 2), c16, s16)
+kr = apply_rope_reference(rms_norm_reference(ks, kw16, 1e-6).transpose(1, 2), c16, s16)
+ref = torch.autograd.grad((qr.float() * g16q.float()).sum() + (kr.float() * g16k.float()).sum(), (qkv, qw16, kw16))
+for a, b in zip(got, ref):
+    assert close(a, b, 4), float((a.float() - b.float()).abs().max())
 qo, ko = _FusedNormRoPE.apply(q, k, None, None, 0.0, ang.cos(), ang.sin())  # no q/k norm (Llama): RoPE only
 got = torch.autograd.grad((qo * gq).sum() + (ko * gk).sum(), (q, k))
 ref = torch.autograd.grad((apply_rope_reference(q.transpose(1, 2), ang.cos(), ang.sin()) * gq).sum()
@@ -217,7 +231,8 @@ def test_fused_kernels_on_cuda_and_in_the_model():
                       num_attention_heads=4, num_key_value_heads=2, qk_norm=True, architecture="Qwen3ForCausalLM")
     model = CausalLM(cfg).to("cuda", torch.bfloat16)
     ids = torch.randint(0, 512, (3, 17), device="cuda")
-    plain = model(ids)
+    with use_fused_ops(False):
+        plain = model(ids)  # the PyTorch references
     with use_fused_ops(True):
         fused = model(ids)
         fused.float().pow(2).mean().backward()  # the autograd wrappers run in training

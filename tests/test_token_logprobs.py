@@ -78,6 +78,10 @@ def test_bad_arguments_raise_actionable_errors():
         token_logprobs(torch.randn(2, 5), torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="integer tensor"):
         token_logprobs(torch.randn(2, 5), torch.zeros(2))
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 5\).*from 0 to 5"):
+        token_logprobs(torch.randn(2, 5), torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="from -1 to 2"):
+        token_logprobs(torch.randn(2, 5), torch.tensor([-1, 2]))
     logits, tokens = torch.randn(2, 5), torch.tensor([1, 4], dtype=torch.int32)  # int32 ids work too
     assert torch.equal(token_logprobs(logits, tokens)[0], torch.log_softmax(logits, -1)[[0, 1], [1, 4]])
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -40,6 +41,7 @@ from torch import Tensor
 from jetrl.overrides import ScopedOverride, env_choice
 
 _ENV = "JETRL_FUSED_OPS"
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the Triton kernels take
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -108,7 +110,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """``h = x + delta`` and ``rms_norm(h, weight, eps)``: a residual add and the norm that reads it, one
     kernel on the fused path (the reference: the two ops)."""
-    if not fused_ops_enabled(x) or x.shape != delta.shape or x.dtype != delta.dtype:
+    if (not fused_ops_enabled(x) or x.shape != delta.shape or x.dtype != delta.dtype or x.dtype not in _KERNEL_DTYPES
+            or weight.dtype not in _KERNEL_DTYPES):
         h = x + delta
         return h, rms_norm(h, weight, eps)
     from jetrl.models.kernels.fused_triton import add_rms_norm_triton
@@ -122,11 +125,13 @@ def norm_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_norm: Any = None
               k_norm: Any = None) -> tuple[Tensor, Tensor]:
     """Attention's q (B, T, Hq, D) and k (B, T, Hk, D) -> per-head RMSNorm (the ``q_norm``/``k_norm``
     modules, Qwen3; skipped when None) -> RoPE, returned as (B, H, T, D). One kernel for all of it on
-    the fused path; the reference is the ops one by one (``rms_norm``, ``apply_rope``)."""
+    the fused path; the reference is the ops one by one (``rms_norm``, ``apply_rope``). The fused path
+    reads the norm modules' ``weight`` and ``eps`` and does not call them, so forward hooks on
+    ``q_norm``/``k_norm`` fire on the reference path only (as for ``RMSNorm.add_forward``)."""
     norm = q_norm is not None
     half = q.shape[-1] // 2
     weights = (q_norm.weight, k_norm.weight) if norm else (None, None)
-    if (fused_ops_enabled(q) and q.shape[-1] % 2 == 0 and not half & (half - 1)
+    if (fused_ops_enabled(q) and q.shape[-1] % 2 == 0 and not half & (half - 1) and q.dtype in _KERNEL_DTYPES
             and q.dtype == k.dtype == cos.dtype == sin.dtype
             and (not norm or (q_norm.eps == k_norm.eps and weights[0].dtype == weights[1].dtype == q.dtype))):
         from jetrl.models.kernels.fused_triton import norm_rope_triton
@@ -226,7 +231,9 @@ class _FusedNormRoPE(torch.autograd.Function):
     def forward(ctx, q, k, q_weight, k_weight, eps, cos, sin):
         from jetrl.models.kernels.fused_triton import norm_rope_triton
 
-        ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin)
+        # RoPE alone is linear in q and k: its gradient needs cos and sin only, so q and k are kept
+        # only when the norms need them
+        ctx.save_for_backward(*((q, k, q_weight, k_weight) if q_weight is not None else (None,) * 4), cos, sin)
         ctx.eps = eps
         return norm_rope_triton(q, k, q_weight, k_weight, eps, cos, sin)
 

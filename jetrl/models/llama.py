@@ -68,7 +68,9 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)  # the formula: jetrl/models/fused.py
 
     def add_forward(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
-        """``(x + delta, self(x + delta))``: a residual add and this norm, one kernel on the fused path."""
+        """``(x + delta, self(x + delta))``: a residual add and this norm, one kernel on the fused path (which
+        reads ``weight`` and ``eps`` without calling ``forward``: hooks on this module fire on the reference
+        path only)."""
         return add_rms_norm(x, delta, self.weight, self.eps)
 
 

@@ -42,6 +42,11 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0,
     if tokens.is_floating_point() or tokens.device != logits.device:
         raise ValueError(f"tokens must be an integer tensor on the logits' device ({logits.device}), "
                          f"got {tokens.dtype} on {tokens.device}")
+    if tokens.numel():
+        low, high = (int(v) for v in torch.aminmax(tokens))  # one host sync; a bad id never reaches a kernel
+        if low < 0 or high >= logits.shape[-1]:
+            raise ValueError(f"token ids must lie in [0, {logits.shape[-1]}) (the logits' vocabulary), "
+                             f"got ids from {low} to {high}")
     from jetrl.models.fused import fused_ops_enabled
 
     if not fused_ops_enabled(logits):

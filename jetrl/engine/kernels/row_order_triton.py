@@ -39,6 +39,7 @@ def _longest_first_kernel(len_ptr, order_ptr, n, BLOCK: tl.constexpr, CHUNK: tl.
 def longest_first_triton(lengths: torch.Tensor) -> torch.Tensor:
     """Same result as ``torch.argsort(lengths, descending=True, stable=True)`` for a 1-D integer tensor."""
     assert lengths.dim() == 1 and not lengths.is_floating_point(), (lengths.shape, lengths.dtype)
+    lengths = lengths.contiguous()  # the kernel reads element i at offset i
     n = lengths.shape[0]
     order = torch.empty(n, dtype=torch.int64, device=lengths.device)
     if n:

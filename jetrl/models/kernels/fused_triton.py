@@ -1,4 +1,5 @@
-"""Triton kernels for the model's small ops, one launch each: RMSNorm, RoPE and SwiGLU forward, RoPE backward.
+"""Triton kernels for the model's small ops, one launch each: RMSNorm (alone or after the residual add),
+per-head q/k RMSNorm + RoPE for q and k together, RoPE, SwiGLU forward, RoPE backward.
 
 Why: at decode sizes every elementwise op of the model is a separate, launch-bound kernel. The
 H200 profile of one 8B decode step (docs/benchmarks.md, section d) shows ~180 µs per layer of
@@ -23,6 +24,11 @@ model-dtype tensors is computed in fp32 and rounded once to the model dtype):
               rotate_half^T([a, b]) = [b, -a]; bit-identical to autograd through the reference
     SwiGLU    s = round(g / (1 + exp(-g)));  y = round(s * u)     (fp32 division rounded to nearest,
                                               libdevice expf: the arithmetic of PyTorch's CUDA silu)
+    add+norm  h = round(x + d) (as PyTorch adds), then RMSNorm of h; a compiled variant of the RMSNorm
+              kernel, so its row sum may be ordered unlike the plain kernel's: the trainer and the
+              engine both call this one for the post-attention norm
+    q/k norm  RMSNorm of each head row (its sum in this kernel's order), rounded to the dtype, then
+    + RoPE    RoPE as above on the rounded values; q and k in one launch
 
 Rounded intermediates that are computed on further (``rounded``) are rounded on the fp32 bits with
 integer ops everywhere, so no compiler can contract or fold them; final stores use ``round_to``,
@@ -253,6 +259,8 @@ def norm_rope_triton(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | 
     assert q.dtype == k.dtype == cos.dtype == sin.dtype and q.dtype in _TL_DTYPES, (q.dtype, k.dtype, cos.dtype)
     norm = q_weight is not None
     assert (k_weight is not None) == norm and (not norm or q_weight.dtype == k_weight.dtype == q.dtype)
+    assert not norm or (q_weight.shape == k_weight.shape == (D,)
+                        and q_weight.is_contiguous() and k_weight.is_contiguous()), "q/k norm weights: (D,), contiguous"
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     cos, sin = cos.expand(B, T, D), sin.expand(B, T, D)

@@ -18,7 +18,9 @@ Each row is one program, so a row's results do not depend on the batch.
 
 Numerics: fp32 throughout; the sums run in another order than PyTorch's, so lp and entropy agree
 with the reference within ~1e-6 relative, not bit for bit (the CPU keeps the reference). z = x / T
-is an IEEE division, as in the reference.
+is an IEEE division here (PyTorch's CUDA kernel multiplies by 1/T: within an ulp). Token ids are
+checked by the caller (token_logprobs); one outside [0, V) still gives a NaN logprob here, never a
+read outside the row.
 """
 
 from __future__ import annotations
