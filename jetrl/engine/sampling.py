@@ -257,7 +257,6 @@ def _validate(logits: Tensor, keys: Tensor, steps: Tensor) -> None:
 
 # ----------------------------------------------------------------------------- backend
 _ENV = "JETRL_FUSED_SAMPLER"
-_FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _override = ScopedOverride("fused-sampler setting", (True, False))
 
 
@@ -278,9 +277,10 @@ def uses_fused_sampler(logits: Tensor, params: SamplingParams) -> bool:
     does not read. Forced on, it raises an actionable error where it cannot run.
     """
     requested = fused_sampler_requested()
-    if requested is False or params.truncates or logits.dtype not in _FUSED_DTYPES:
+    from jetrl.fp8.kernels import KERNEL_FLOAT_DTYPES, has_triton
+
+    if requested is False or params.truncates or logits.dtype not in KERNEL_FLOAT_DTYPES:
         return False
-    from jetrl.fp8.kernels import has_triton
 
     if requested is None:
         return logits.is_cuda and has_triton()

@@ -38,10 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from jetrl.fp8.kernels import KERNEL_FLOAT_DTYPES
 from jetrl.overrides import ScopedOverride, env_choice
 
 _ENV = "JETRL_FUSED_OPS"
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the Triton kernels take
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -110,8 +110,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """``h = x + delta`` and ``rms_norm(h, weight, eps)``: a residual add and the norm that reads it, one
     kernel on the fused path (the reference: the two ops)."""
-    if (not fused_ops_enabled(x) or x.shape != delta.shape or x.dtype != delta.dtype or x.dtype not in _KERNEL_DTYPES
-            or weight.dtype not in _KERNEL_DTYPES):
+    if (not fused_ops_enabled(x) or x.shape != delta.shape or x.dtype != delta.dtype
+            or x.dtype not in KERNEL_FLOAT_DTYPES or weight.dtype not in KERNEL_FLOAT_DTYPES):
         h = x + delta
         return h, rms_norm(h, weight, eps)
     from jetrl.models.kernels.fused_triton import add_rms_norm_triton
@@ -131,7 +131,7 @@ def norm_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_norm: Any = None
     norm = q_norm is not None
     half = q.shape[-1] // 2
     weights = (q_norm.weight, k_norm.weight) if norm else (None, None)
-    if (fused_ops_enabled(q) and q.shape[-1] % 2 == 0 and not half & (half - 1) and q.dtype in _KERNEL_DTYPES
+    if (fused_ops_enabled(q) and q.shape[-1] % 2 == 0 and not half & (half - 1) and q.dtype in KERNEL_FLOAT_DTYPES
             and q.dtype == k.dtype == cos.dtype == sin.dtype
             and (not norm or (q_norm.eps == k_norm.eps and weights[0].dtype == weights[1].dtype == q.dtype))):
         from jetrl.models.kernels.fused_triton import norm_rope_triton

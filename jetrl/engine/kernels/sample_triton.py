@@ -112,6 +112,20 @@ def _counter_uniform_kernel(keys_ptr, steps_ptr, out_ptr, B, BLOCK: tl.constexpr
 
 
 @triton.jit
+def online_logsumexp_step(m, s, z, tile_max):
+    """One tile z of an online log-sum-exp, given the running max m and sum s = sum exp(z_seen - m) and
+    the tile's max: (m_new, m_safe, alpha, e, s_new) with alpha = exp(m - m_new) rescaling the old sum,
+    e = exp(z - m_new) and s_new = alpha s + sum e. m_safe is m_new, or 0 while everything seen is -inf
+    (so no -inf - -inf). Shared by the sampler and the trainer's logprob kernels
+    (jetrl/rl/kernels/token_logprobs_triton.py): the same arithmetic on both sides."""
+    m_new = tl.maximum(m, tile_max)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    e = tl.exp(z - m_safe)
+    return m_new, m_safe, alpha, e, s * alpha + tl.sum(e, axis=0)
+
+
+@triton.jit
 def _chunk_stats_kernel(logits_ptr, m_ptr, s_ptr, arg_ptr, V, stride_b, num_chunks, inv_temperature,
                         BLOCK: tl.constexpr, TILES: tl.constexpr, SCALE: tl.constexpr, GREEDY: tl.constexpr):
     b, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -127,10 +141,7 @@ def _chunk_stats_kernel(logits_ptr, m_ptr, s_ptr, arg_ptr, V, stride_b, num_chun
         tile_max = tl.max(z, axis=0)
         if GREEDY:  # strictly greater: an earlier tile keeps a tie
             arg = tl.where(tile_max > m, tl.min(tl.where(z == tile_max, idx, 2147483647), axis=0), arg)
-        m_new = tl.maximum(m, tile_max)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf = NaN while all is -inf
-        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(z - m_safe), axis=0)
-        m = m_new
+        m, _, _, _, s = online_logsumexp_step(m, s, z, tile_max)
     out = b * num_chunks + c
     tl.store(m_ptr + out, m)
     tl.store(s_ptr + out, s)

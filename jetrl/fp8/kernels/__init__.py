@@ -9,6 +9,11 @@ from __future__ import annotations
 import importlib.util
 from functools import cache
 
+import torch
+
+# the float dtypes the Triton kernels read and write (bf16, fp16, fp32); other dtypes take the references
+KERNEL_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
 
 @cache
 def has_triton() -> bool:

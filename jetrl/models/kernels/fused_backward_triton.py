@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from jetrl.fp8.kernels.rounding import INTERPRET, round_to, rounded
-from jetrl.models.kernels.fused_triton import _TL_DTYPES, expf, row_grid
+from jetrl.models.kernels.fused_triton import _TL_DTYPES, row_grid, silu_rounded
 
 _EMULATE = INTERPRET
 RMS_NORM_BACKWARD_MAX_COLS = 8192  # one row per block in registers; wider rows take autograd through the reference
@@ -129,8 +129,7 @@ def _silu_mul_bwd_kernel(g_ptr, u_ptr, gy_ptr, gg_ptr, gu_ptr, num_cols, stride_
     g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     gy = tl.load(gy_ptr + row * stride_gy + cols, mask=mask, other=0.0).to(tl.float32)
-    e = expf(-g, EMULATE)  # as the forward and PyTorch's CUDA silu
-    silu = rounded(tl.math.div_rn(g, 1.0 + e), DTYPE)  # the forward's silu(g), as the reference rounds it
+    e, silu = silu_rounded(g, DTYPE, EMULATE)  # the forward's silu(g), as the reference rounds it
     sig = tl.math.div_rn(1.0, 1.0 + e)
     g_silu = rounded(gy * u, DTYPE)  # mul's backward: the gradient reaching silu(g)
     gg = g_silu * sig * (1.0 + g * (1.0 - sig))  # PyTorch's silu_backward, fp32

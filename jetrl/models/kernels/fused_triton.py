@@ -131,6 +131,14 @@ def _launch_rms_norm(grid3: torch.Tensor, weight: torch.Tensor, out: torch.Tenso
 
 
 @triton.jit
+def _rotate(x1, x2, c1, c2, s1, s2, DTYPE: tl.constexpr):
+    """RoPE on the two halves of rows, as eager computes x * cos + rotate_half(x) * sin,
+    rotate_half([a, b]) = [-b, a]: each product and the sum rounded once to DTYPE (fp32 results)."""
+    return (rounded(x1 * c1, DTYPE) + rounded(-x2 * s1, DTYPE),
+            rounded(x2 * c2, DTYPE) + rounded(x1 * s2, DTYPE))
+
+
+@triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_rows, H, T,
                  sxb, sxh, sxt, sxd, scb, sct, scd, ssb, sst, ssd, sob, soh, sot, sod,
                  HALF: tl.constexpr, BLOCK_R: tl.constexpr, DTYPE: tl.constexpr, BACKWARD: tl.constexpr,
@@ -157,9 +165,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_rows, H, T,
         #   [g1 c1 + g2 s2, g2 c2 - g1 s1], the forward's arithmetic with (s1, s2) -> (-s2, -s1).
         # Negation is exact and RNE is sign-symmetric, so the roundings stay the reference autograd's.
         s1, s2 = -s2, -s1
-    # rotate_half(x) = [-x2, x1]; each product and the sum rounded once to DTYPE, as eager does
-    y1 = rounded(x1 * c1, DTYPE) + rounded(-x2 * s1, DTYPE)
-    y2 = rounded(x2 * c2, DTYPE) + rounded(x1 * s2, DTYPE)
+    y1, y2 = _rotate(x1, x2, c1, c2, s1, s2, DTYPE)
     o_row = out_ptr + (b * sob + h * soh + t * sot)[:, None]
     tl.store(o_row + d[None, :] * sod, round_to(y1, DTYPE, EMULATE), mask=mask)
     tl.store(o_row + (d[None, :] + HALF) * sod, round_to(y2, DTYPE, EMULATE), mask=mask)
@@ -222,8 +228,7 @@ def _norm_rope_rows(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, block, num_rows, H,
     c2 = tl.load(c_row + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(s_row + d[None, :], mask=mask, other=0.0).to(tl.float32)
     s2 = tl.load(s_row + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    y1 = rounded(x1 * c1, DTYPE) + rounded(-x2 * s1, DTYPE)  # _rope_kernel's arithmetic
-    y2 = rounded(x2 * c2, DTYPE) + rounded(x1 * s2, DTYPE)
+    y1, y2 = _rotate(x1, x2, c1, c2, s1, s2, DTYPE)
     o_row = out_ptr + (rows * (2 * HALF))[:, None]
     tl.store(o_row + d[None, :], round_to(y1, DTYPE, EMULATE), mask=mask)
     tl.store(o_row + HALF + d[None, :], round_to(y2, DTYPE, EMULATE), mask=mask)
@@ -290,6 +295,14 @@ def expf(x, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def silu_rounded(g, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+    """(e, s) = (exp(-g), silu(g) rounded to DTYPE) in fp32, as PyTorch's CUDA silu computes them: the
+    forward's and the backward kernel's one definition of silu."""
+    e = expf(-g, EMULATE)
+    return e, rounded(tl.math.div_rn(g, 1.0 + e), DTYPE)
+
+
+@triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, num_rows, num_cols, stride_g, stride_u,
                      BLOCK: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -297,8 +310,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, num_rows, num_cols, stride_g, stride
     mask = cols < num_cols
     g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    e = expf(-g, EMULATE)
-    s = rounded(tl.math.div_rn(g, 1.0 + e), DTYPE)
+    _, s = silu_rounded(g, DTYPE, EMULATE)
     tl.store(out_ptr + row * num_cols + cols, round_to(s * u, DTYPE, EMULATE), mask=mask)
 
 

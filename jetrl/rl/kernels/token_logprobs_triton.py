@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from jetrl.engine.kernels.sample_triton import online_logsumexp_step
+
 BLOCK = 4096  # logits per tile
 
 
@@ -52,15 +54,11 @@ def _forward_kernel(x_ptr, tok_ptr, lp_ptr, m_ptr, log_s_ptr, ent_ptr, V, stride
     start = 0
     while start < V:  # a while loop: the interpreter's range() cannot take a runtime bound
         z = _z(row, start + offs, V, temperature, SCALE)
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf while all is -inf
-        alpha = tl.exp(m - m_safe)
-        e = tl.exp(z - m_safe)
+        m_new, m_safe, alpha, e, s_new = online_logsumexp_step(m, s, z, tl.max(z, axis=0))
         if ENTROPY:  # W relative to the new maximum: alpha (W + (m - m_new) S) + sum e (z - m_new)
             shift = tl.where(m == float("-inf"), 0.0, m - m_safe)
             w = alpha * (w + shift * s) + tl.sum(tl.where(e > 0, e * (z - m_safe), 0.0), axis=0)
-        s = alpha * s + tl.sum(e, axis=0)
-        m = m_new
+        m, s = m_new, s_new
         start += BLOCK
     log_s = tl.log(s)
     tok = tl.load(tok_ptr + r)
