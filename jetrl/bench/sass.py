@@ -53,8 +53,8 @@ class LoopMix:
 def compile_like_launch(fn, args: dict[str, Any], constexprs: dict[str, Any], *, num_warps: int, num_stages: int):
     """Compile Triton kernel ``fn`` for sm_90 as a launch with ``args`` (name -> tensor / int / float) would.
 
-    ``constexprs`` are the kernel's ``tl.constexpr`` parameters; every other parameter must be in
-    ``args``. Pointers are represented by tensors of the launch's dtype (any size: only the dtype
+    ``constexprs`` are the kernel's ``tl.constexpr`` parameters (``PDL`` defaults to False); every other
+    parameter must be in ``args``. Pointers are represented by tensors of the launch's dtype (any size: only the dtype
     and the 16-byte alignment of the allocation matter).
     """
     import triton
@@ -63,8 +63,10 @@ def compile_like_launch(fn, args: dict[str, Any], constexprs: dict[str, Any], *,
     from triton.runtime.jit import native_specialize_impl
 
     signature, consts, attrs = {}, dict(constexprs), {}
+    if "PDL" in fn.arg_names:  # a launch option (jetrl/fp8/kernels/pdl.py), not a shape: off unless asked
+        consts.setdefault("PDL", False)
     for index, name in enumerate(fn.arg_names):
-        if name in constexprs:
+        if name in consts:
             signature[name] = "constexpr"
             continue
         if name not in args:

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from jetrl.fp8.kernels.pdl import launch_options, wait_then_release
+
 from jetrl.fp8.kernels.quant_triton import _amax, _code_bits, _scale_and_reciprocal, explicit_round
 
 
@@ -45,7 +47,8 @@ def _store_one(x_ptr, sxb, sxh, cache_ptr, scb, sch, scp, scale_ptr, ssb, ssh, b
 def _store_kv_kernel(k_ptr, v_ptr, lengths_ptr, ck_ptr, cv_ptr, sk_ptr, sv_ptr, num_heads, S,
                      skb, skh, svb, svh, scb, sch, scp, ssb, ssh,
                      D: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr, POW2: tl.constexpr,
-                     EXPLICIT_ROUND: tl.constexpr):
+                     EXPLICIT_ROUND: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     b = tl.program_id(0).to(tl.int64)
     pos = tl.load(lengths_ptr + b).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
@@ -78,5 +81,5 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, cac
         k, v, lengths, cache_k, cache_v, k_scale if fp8 else cache_k, v_scale if fp8 else cache_v, H, cache_k.shape[2],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         ssb, ssh, D=D, BLOCK_H=triton.next_power_of_2(H), FP8=fp8, POW2=pow2_scale,
-        EXPLICIT_ROUND=explicit_round(), num_warps=4,
+        EXPLICIT_ROUND=explicit_round(), num_warps=4, **launch_options(k.device),
     )

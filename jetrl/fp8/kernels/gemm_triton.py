@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from jetrl.fp8.kernels.pdl import launch_options, wait_then_release
+
 
 @dataclass(frozen=True)
 class SmallMConfig:
@@ -61,7 +63,9 @@ def _gemm_small_m_kernel(
     a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, work_ptr, count_ptr,
     M, N, K, stride_am, stride_bn, stride_sam, stride_sak, stride_sbn, stride_om,
     GROUPS_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_then_release(PDL)
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -161,6 +165,6 @@ def gemm_small_m(
         m, n, k, a_codes.stride(0), b_codes.stride(0), a_scales.stride(0), a_scales.stride(1), b_scales.stride(0),
         out.stride(0),
         GROUPS_PER_SPLIT=groups_per_split, SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(a_codes.device),
     )
     return out

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from jetrl.fp8.kernels.pdl import launch_options, wait_then_release
 from jetrl.fp8.quant import E4M3, E4M3_MAX, SCALE_FLOOR
 
 E4M3_MAX_C = tl.constexpr(E4M3_MAX)
@@ -111,8 +112,9 @@ def _quantize_kernel(
     x_ptr, codes_ptr, scales_ptr,
     R, C, stride_xr, stride_xc, stride_sr, stride_sc,
     GROUP_ROWS: tl.constexpr, GROUP_COLS: tl.constexpr, TILE_R: tl.constexpr, POW2: tl.constexpr,
-    EXPLICIT_ROUND: tl.constexpr,
+    EXPLICIT_ROUND: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_then_release(PDL)
     pid_c, pid_r = tl.program_id(0), tl.program_id(1)  # column groups vary fastest: sequential reads
     rows = pid_r.to(tl.int64) * TILE_R + tl.arange(0, TILE_R)  # int64: offsets of >= 2^31 elements
     cols = pid_c * GROUP_COLS + tl.arange(0, GROUP_COLS)
@@ -162,7 +164,7 @@ def quantize_triton(
     _quantize_kernel[grid](
         x, codes.view(torch.uint8), scales, rows, cols, x.stride(0), x.stride(1), scales.stride(0), scales.stride(1),
         GROUP_ROWS=br, GROUP_COLS=bc, TILE_R=tile_r, POW2=pow2_scale, EXPLICIT_ROUND=explicit_round(),
-        num_warps=num_warps or (8 if br == 128 else 4),
+        num_warps=num_warps or (8 if br == 128 else 4), **launch_options(x.device),
     )
     return codes, scales
 
@@ -171,8 +173,9 @@ def quantize_triton(
 def _quantize_dual_kernel(
     x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr,
     M, K, stride_xm, stride_xk, num_k_groups, num_m_groups,
-    POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr, CHUNK: tl.constexpr,
+    POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_then_release(PDL)
     # One (128 m, 128 k) tile, walked in (128, CHUNK) column chunks to keep registers low.
     # Pass 1: a chunk holds whole token groups (128 rows) of CHUNK columns, so it finishes
     # their x^T scales and codes at once, and accumulates the row amaxes. Pass 2 re-reads the
@@ -224,6 +227,6 @@ def quantize_dual_triton(
     _quantize_dual_kernel[(num_k_groups, num_m_groups)](
         x, codes.view(torch.uint8), scales, codes_t.view(torch.uint8), scales_t,
         m, k, x.stride(0), x.stride(1), num_k_groups, num_m_groups, POW2=pow2_scale,
-        EXPLICIT_ROUND=explicit_round(), CHUNK=chunk, num_warps=num_warps,
+        EXPLICIT_ROUND=explicit_round(), CHUNK=chunk, num_warps=num_warps, **launch_options(x.device),
     )
     return codes, scales, codes_t, scales_t
