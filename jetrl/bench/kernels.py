@@ -389,9 +389,13 @@ def _decode_row(label: str, m: int, n: int, k: int, layers: list, backends: list
         except Exception as exc:  # noqa: BLE001 -- a declared backend failing on an 8B decode shape is an error
             row[f"{backend}_us"] = None
             failures.append(f"{backend}: {type(exc).__name__}: {exc}"[:200])
+    # one input copy per call: Float8Linear memoizes an input's quantization per tensor object, and a
+    # decode step quantizes every layer input once, so each timed call must quantize its own
+    xs = [x.clone() for _ in layers]
     with torch.no_grad(), precision_phase("rollout"):
         errs["fp8"] = rel_err(fp8(x), spec)
-        row["value"] = graph_time_us(_in_turn([partial(mod, x) for _, _, mod in layers]), device, **graph)
+        row["value"] = graph_time_us(_in_turn([partial(mod, xi) for (_, _, mod), xi in zip(layers, xs)]), device,
+                                     **graph)
     row["ratio"] = row["baseline"] / row["value"]
     row["rel_err"] = errs
     ok = all(e < GEMM_REL_ERR_MAX for e in errs.values())

@@ -87,7 +87,6 @@ import torch
 import triton
 import triton.language as tl
 
-from jetrl.fp8.kernels.pdl import launch_options, wait_then_release
 from jetrl.fp8.kernels.rounding import INTERPRET, round_to
 from jetrl.fp8.quant import E4M3
 
@@ -215,9 +214,8 @@ def _decode_attention_kernel(
     stride_ob, stride_oh, stride_od,
     G: tl.constexpr, DTYPE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr, POW2_SCALES: tl.constexpr, ROW_ORDER: tl.constexpr,
-    EMULATE: tl.constexpr, PDL: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
-    wait_then_release(PDL)
     pid, split = tl.program_id(0), tl.program_id(1)
     b = pid // num_kv_heads
     if ROW_ORDER:  # the rows in the order given (longest first: module docstring)
@@ -279,10 +277,9 @@ def _decode_attention_kernel(
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, lengths_ptr, out_ptr, H, S, D, stride_lb, stride_ob, stride_oh, stride_od,
     DTYPE: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_D: tl.constexpr, EMULATE: tl.constexpr,
 ):
     """One program per (b, h): out = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M) over the used splits."""
-    wait_then_release(PDL)
     pid = tl.program_id(0).to(tl.int64)  # b * H + h
     b, h = pid // H, pid % H
     n_valid = (tl.minimum(tl.maximum(tl.load(lengths_ptr + b * stride_lb), 0), S - 1) + 1).to(tl.int32)
@@ -371,12 +368,12 @@ def decode_attention_triton(
         G=G, DTYPE=dtype, BLOCK_G=triton.next_power_of_2(G), BLOCK_S=block_s, BLOCK_D=block_d,
         NUM_SPLITS=num_splits, IS_FP8=is_fp8, POW2_SCALES=pow2_path, ROW_ORDER=row_order is not None,
         EMULATE=_EMULATE,
-        num_warps=num_warps, num_stages=num_stages, **launch_options(q.device),
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(B * H,)](
             part_out, part_lse, lengths, out, H, S, D, lengths.stride(0), *out.stride(),
             DTYPE=dtype, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits), BLOCK_S=block_s,
-            BLOCK_D=block_d, EMULATE=_EMULATE, num_warps=4, **launch_options(q.device),
+            BLOCK_D=block_d, EMULATE=_EMULATE, num_warps=4,
         )
     return out

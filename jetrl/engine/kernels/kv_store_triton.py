@@ -10,9 +10,8 @@ few KB at decode sizes. Here one program handles one row: it reads the row's pos
 and V of all its kv heads, and writes codes and scales (or the model-dtype values) in place.
 
 Bit-identity with the trainer: the scale and the codes come from the quantizer's own jitted
-helpers (``_amax``, ``_scale_and_reciprocal``, ``_code_bits`` of
-:mod:`jetrl.fp8.kernels.quant_triton`), the same arithmetic the Triton quantizer does for a
-1 x head_dim group, so the cache holds exactly what ``quantize_kv`` gives for the same K/V
+function (``quantize_rows`` of :mod:`jetrl.fp8.kernels.quant_triton`), the arithmetic the Triton
+quantizer does for a 1 x head_dim group, so the cache holds exactly what ``quantize_kv`` gives for the same K/V
 (tested under ``TRITON_INTERPRET=1`` and checked on the GPU by the engine tests).
 """
 
@@ -22,9 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from jetrl.fp8.kernels.pdl import launch_options, wait_then_release
-
-from jetrl.fp8.kernels.quant_triton import _amax, _code_bits, _scale_and_reciprocal, explicit_round
+from jetrl.fp8.kernels.quant_triton import explicit_round, quantize_rows
 
 
 @triton.jit
@@ -33,11 +30,8 @@ def _store_one(x_ptr, sxb, sxh, cache_ptr, scb, sch, scp, scale_ptr, ssb, ssh, b
     x = tl.load(x_ptr + b * sxb + heads[:, None] * sxh + d[None, :], mask=head_ok[:, None], other=0.0)
     dst = cache_ptr + b * scb + heads[:, None] * sch + pos * scp + d[None, :]
     if FP8:
-        xf = x.to(tl.float32)
-        amax = _amax(xf, 1)  # (BLOCK_H,): one group per token-head
-        scale, reciprocal = _scale_and_reciprocal(amax, amax == float("inf"), POW2)
-        tl.store(dst, _code_bits(xf * reciprocal[:, None], (scale != scale)[:, None], EXPLICIT_ROUND),
-                 mask=head_ok[:, None])
+        code_bits, scale = quantize_rows(x.to(tl.float32), POW2, EXPLICIT_ROUND)  # one group per token-head
+        tl.store(dst, code_bits, mask=head_ok[:, None])
         tl.store(scale_ptr + b * ssb + heads * ssh + pos, scale, mask=head_ok)
     else:
         tl.store(dst, x, mask=head_ok[:, None])
@@ -47,8 +41,7 @@ def _store_one(x_ptr, sxb, sxh, cache_ptr, scb, sch, scp, scale_ptr, ssb, ssh, b
 def _store_kv_kernel(k_ptr, v_ptr, lengths_ptr, ck_ptr, cv_ptr, sk_ptr, sv_ptr, num_heads, S,
                      skb, skh, svb, svh, scb, sch, scp, ssb, ssh,
                      D: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr, POW2: tl.constexpr,
-                     EXPLICIT_ROUND: tl.constexpr, PDL: tl.constexpr):
-    wait_then_release(PDL)
+                     EXPLICIT_ROUND: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     pos = tl.load(lengths_ptr + b).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
@@ -81,5 +74,5 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, cac
         k, v, lengths, cache_k, cache_v, k_scale if fp8 else cache_k, v_scale if fp8 else cache_v, H, cache_k.shape[2],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         ssb, ssh, D=D, BLOCK_H=triton.next_power_of_2(H), FP8=fp8, POW2=pow2_scale,
-        EXPLICIT_ROUND=explicit_round(), num_warps=4, **launch_options(k.device),
+        EXPLICIT_ROUND=explicit_round(), num_warps=4,
     )

@@ -19,11 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from jetrl.fp8.kernels.pdl import launch_options, wait_then_release
 
 @triton.jit
-def _longest_first_kernel(len_ptr, order_ptr, n, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
-    wait_then_release(PDL)
+def _longest_first_kernel(len_ptr, order_ptr, n, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     i_ok = i < n
     li = tl.load(len_ptr + i, mask=i_ok, other=0)
@@ -46,6 +44,5 @@ def longest_first_triton(lengths: torch.Tensor) -> torch.Tensor:
     order = torch.empty(n, dtype=torch.int64, device=lengths.device)
     if n:
         block = 64
-        _longest_first_kernel[(triton.cdiv(n, block),)](lengths, order, n, BLOCK=block, CHUNK=64, num_warps=4,
-                                                      **launch_options(lengths.device))
+        _longest_first_kernel[(triton.cdiv(n, block),)](lengths, order, n, BLOCK=block, CHUNK=64, num_warps=4)
     return order

@@ -69,7 +69,6 @@ import torch
 import triton
 import triton.language as tl
 
-from jetrl.fp8.kernels.pdl import launch_options, wait_then_release
 from jetrl.engine.sampling import SamplingParams
 
 # The H200 sweep's best at B = 256, V = 151936 bf16 (module docstring); fixed, not tuned per batch.
@@ -128,9 +127,7 @@ def online_logsumexp_step(m, s, z, tile_max):
 
 @triton.jit
 def _chunk_stats_kernel(logits_ptr, m_ptr, s_ptr, arg_ptr, V, stride_b, num_chunks, inv_temperature,
-                        BLOCK: tl.constexpr, TILES: tl.constexpr, SCALE: tl.constexpr, GREEDY: tl.constexpr,
-                        PDL: tl.constexpr):
-    wait_then_release(PDL)
+                        BLOCK: tl.constexpr, TILES: tl.constexpr, SCALE: tl.constexpr, GREEDY: tl.constexpr):
     b, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     row = logits_ptr + b * stride_b
     offs = tl.arange(0, BLOCK)
@@ -175,8 +172,7 @@ def _scan_chunk(row, chunk, carry, target, m_safe, V, inv_temperature,
 @triton.jit
 def _draw_kernel(logits_ptr, m_ptr, s_ptr, arg_ptr, keys_ptr, steps_ptr, tokens_ptr, logprobs_ptr, V, stride_b, num_chunks,
                  inv_temperature, BLOCK: tl.constexpr, TILES: tl.constexpr, BLOCK_C: tl.constexpr,
-                 SCALE: tl.constexpr, GREEDY: tl.constexpr, PDL: tl.constexpr):
-    wait_then_release(PDL)
+                 SCALE: tl.constexpr, GREEDY: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK_C)
     valid = j < num_chunks
@@ -236,11 +232,10 @@ def sample_triton(logits: torch.Tensor, params: SamplingParams, keys: torch.Tens
     s = torch.empty_like(m)  # per-chunk sum of exp(z - m_c)
     arg = torch.empty(B, num_chunks, dtype=torch.int32, device=logits.device) if greedy else m  # first argmax
     _chunk_stats_kernel[(B, num_chunks)](logits, m, s, arg, V, logits.stride(0), num_chunks, inv_temperature,
-                                         BLOCK=block, TILES=tiles, SCALE=scale, GREEDY=greedy, num_warps=num_warps,
-                                         **launch_options(logits.device))
+                                         BLOCK=block, TILES=tiles, SCALE=scale, GREEDY=greedy, num_warps=num_warps)
     _draw_kernel[(B,)](logits, m, s, arg, keys, steps, tokens, logprobs, V, logits.stride(0), num_chunks,
                        inv_temperature, BLOCK=block, TILES=tiles, BLOCK_C=max(triton.next_power_of_2(num_chunks), 2),
-                       SCALE=scale, GREEDY=greedy, num_warps=num_warps, **launch_options(logits.device))
+                       SCALE=scale, GREEDY=greedy, num_warps=num_warps)
     return tokens, logprobs
 
 

@@ -42,7 +42,6 @@ import torch
 import triton
 import triton.language as tl
 
-from jetrl.fp8.kernels.pdl import launch_options, wait_then_release
 from jetrl.fp8.quant import E4M3, E4M3_MAX, SCALE_FLOOR
 
 E4M3_MAX_C = tl.constexpr(E4M3_MAX)
@@ -108,26 +107,32 @@ def _amax(x, axis: tl.constexpr):
 
 
 @triton.jit
+def quantize_rows(x, POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr):
+    """(uint8 codes, scales) of a (rows, group) fp32 tile with one group per row: the 1x128 quantizer's
+    arithmetic, shared by the quantize kernel, the K/V-cache store and the small-M GEMM that quantizes its
+    input on the fly (gemm_triton.py) -- one definition, so their codes and scales are the same bits."""
+    amax = _amax(x, 1)
+    scale, reciprocal = _scale_and_reciprocal(amax, amax == float("inf"), POW2)
+    return _code_bits(x * reciprocal[:, None], (scale != scale)[:, None], EXPLICIT_ROUND), scale
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, codes_ptr, scales_ptr,
     R, C, stride_xr, stride_xc, stride_sr, stride_sc,
     GROUP_ROWS: tl.constexpr, GROUP_COLS: tl.constexpr, TILE_R: tl.constexpr, POW2: tl.constexpr,
-    EXPLICIT_ROUND: tl.constexpr, PDL: tl.constexpr,
+    EXPLICIT_ROUND: tl.constexpr,
 ):
-    wait_then_release(PDL)
     pid_c, pid_r = tl.program_id(0), tl.program_id(1)  # column groups vary fastest: sequential reads
     rows = pid_r.to(tl.int64) * TILE_R + tl.arange(0, TILE_R)  # int64: offsets of >= 2^31 elements
     cols = pid_c * GROUP_COLS + tl.arange(0, GROUP_COLS)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
     if GROUP_ROWS == 1:
-        amax = _amax(x, 1)  # (TILE_R,)
+        code_bits, scale = quantize_rows(x, POW2, EXPLICIT_ROUND)  # (TILE_R, GROUP_COLS), (TILE_R,)
     else:
         amax = tl.max(_amax(x, 1), axis=0)  # scalar: one 128x128 block
-    scale, reciprocal = _scale_and_reciprocal(amax, amax == float("inf"), POW2)
-    if GROUP_ROWS == 1:
-        code_bits = _code_bits(x * reciprocal[:, None], (scale != scale)[:, None], EXPLICIT_ROUND)
-    else:
+        scale, reciprocal = _scale_and_reciprocal(amax, amax == float("inf"), POW2)
         code_bits = _code_bits(x * reciprocal, scale != scale, EXPLICIT_ROUND)
     tl.store(codes_ptr + rows[:, None] * C + cols[None, :], code_bits, mask=mask)
     if GROUP_ROWS == 1:
@@ -164,7 +169,7 @@ def quantize_triton(
     _quantize_kernel[grid](
         x, codes.view(torch.uint8), scales, rows, cols, x.stride(0), x.stride(1), scales.stride(0), scales.stride(1),
         GROUP_ROWS=br, GROUP_COLS=bc, TILE_R=tile_r, POW2=pow2_scale, EXPLICIT_ROUND=explicit_round(),
-        num_warps=num_warps or (8 if br == 128 else 4), **launch_options(x.device),
+        num_warps=num_warps or (8 if br == 128 else 4),
     )
     return codes, scales
 
@@ -173,9 +178,8 @@ def quantize_triton(
 def _quantize_dual_kernel(
     x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr,
     M, K, stride_xm, stride_xk, num_k_groups, num_m_groups,
-    POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
+    POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    wait_then_release(PDL)
     # One (128 m, 128 k) tile, walked in (128, CHUNK) column chunks to keep registers low.
     # Pass 1: a chunk holds whole token groups (128 rows) of CHUNK columns, so it finishes
     # their x^T scales and codes at once, and accumulates the row amaxes. Pass 2 re-reads the
@@ -227,6 +231,6 @@ def quantize_dual_triton(
     _quantize_dual_kernel[(num_k_groups, num_m_groups)](
         x, codes.view(torch.uint8), scales, codes_t.view(torch.uint8), scales_t,
         m, k, x.stride(0), x.stride(1), num_k_groups, num_m_groups, POW2=pow2_scale,
-        EXPLICIT_ROUND=explicit_round(), CHUNK=chunk, num_warps=num_warps, **launch_options(x.device),
+        EXPLICIT_ROUND=explicit_round(), CHUNK=chunk, num_warps=num_warps,
     )
     return codes, scales, codes_t, scales_t

@@ -42,7 +42,6 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from jetrl.fp8.kernels.pdl import launch_options, wait_then_release
 from jetrl.fp8.kernels.rounding import INTERPRET, round_to, rounded
 
 _EMULATE = INTERPRET
@@ -64,8 +63,7 @@ def row_grid(x: torch.Tensor) -> torch.Tensor:
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, num_cols, inner, stride_outer, stride_inner, stride_o, eps,
                      d_ptr, h_ptr,
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, X_DTYPE: tl.constexpr,
-                     OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
-    wait_then_release(PDL)
+                     OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr, ADD: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
     col_ok = cols < num_cols
@@ -129,7 +127,6 @@ def _launch_rms_norm(grid3: torch.Tensor, weight: torch.Tensor, out: torch.Tenso
         out if delta is None else delta, out if h is None else h,
         BLOCK_R=block_r, BLOCK_C=block_c, X_DTYPE=_TL_DTYPES[grid3.dtype], OUT_DTYPE=_TL_DTYPES[out.dtype],
         EMULATE=_EMULATE, ADD=delta is not None, num_warps=4 if block_c * block_r <= 4096 else 8,
-        **launch_options(out.device),
     )
 
 
@@ -145,9 +142,8 @@ def _rotate(x1, x2, c1, c2, s1, s2, DTYPE: tl.constexpr):
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_rows, H, T,
                  sxb, sxh, sxt, sxd, scb, sct, scd, ssb, sst, ssd, sob, soh, sot, sod,
                  HALF: tl.constexpr, BLOCK_R: tl.constexpr, DTYPE: tl.constexpr, BACKWARD: tl.constexpr,
-                 EMULATE: tl.constexpr, PDL: tl.constexpr):
+                 EMULATE: tl.constexpr):
     # x is the input (forward) or the output's gradient (BACKWARD); out is y or grad_x
-    wait_then_release(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # flattened (b, h, t)
     row_ok = rows < num_rows
     t = rows % T
@@ -200,7 +196,6 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool)
     _rope_kernel[(triton.cdiv(num_rows, block_r),)](
         x, cos, sin, out, num_rows, H, T, *x.stride(), *cos.stride(), *sin.stride(), *out.stride(),
         HALF=D // 2, BLOCK_R=block_r, DTYPE=_TL_DTYPES[x.dtype], BACKWARD=backward, EMULATE=_EMULATE, num_warps=4,
-        **launch_options(x.device),
     )
     return out
 
@@ -243,9 +238,8 @@ def _norm_rope_rows(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, block, num_rows, H,
 def _norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, q_rows, k_rows, q_blocks,
                       Hq, Hk, T, sqb, sqt, sqh, skb, skt, skh, scb, sct, ssb, sst, eps,
                       HALF: tl.constexpr, BLOCK_R: tl.constexpr, NORM: tl.constexpr, DTYPE: tl.constexpr,
-                      EMULATE: tl.constexpr, PDL: tl.constexpr):
+                      EMULATE: tl.constexpr):
     # one launch for q and k: the first q_blocks programs take q's rows, the rest k's
-    wait_then_release(PDL)
     pid = tl.program_id(0)
     if pid < q_blocks:
         _norm_rope_rows(q_ptr, qw_ptr, cos_ptr, sin_ptr, qo_ptr, pid, q_rows, Hq, T, sqb, sqt, sqh, scb, sct, ssb, sst,
@@ -287,7 +281,6 @@ def norm_rope_triton(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | 
         Hq, k.shape[2], T, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), eps,
         HALF=D // 2, BLOCK_R=block_r, NORM=norm, DTYPE=_TL_DTYPES[q.dtype], EMULATE=_EMULATE, num_warps=4,
-        **launch_options(q.device),
     )
     return qo.transpose(1, 2), ko.transpose(1, 2)
 
@@ -311,8 +304,7 @@ def silu_rounded(g, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
 
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, num_rows, num_cols, stride_g, stride_u,
-                     BLOCK: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
-    wait_then_release(PDL)
+                     BLOCK: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < num_cols
@@ -336,5 +328,5 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     rows, block = g2.shape[0], 1024
     _silu_mul_kernel[(rows, triton.cdiv(cols, block))](g2, u2, out, rows, cols, g2.stride(0), u2.stride(0),
                                                        BLOCK=block, DTYPE=_TL_DTYPES[gate.dtype], EMULATE=_EMULATE,
-                                                       num_warps=4, **launch_options(gate.device))
+                                                       num_warps=4)
     return out
