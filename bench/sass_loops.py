@@ -33,14 +33,11 @@ def main() -> None:
         for m in (1, 16, 64):
             cfg = gemm_triton.small_m_config(m, n, k)
             groups = triton.cdiv(k, 128)
-            for quant in (False, True):  # FP8 codes in, or the bf16 input quantized in the loop (the default)
-                constexprs = {"GROUPS_PER_SPLIT": triton.cdiv(groups, cfg.split_k), "SPLIT_K": cfg.split_k,
-                              "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "QUANT_A": quant, "POW2": False,
-                              "EXPLICIT_ROUND": False, "WRITE_A": False}
-                show(f"small-M GEMM {name} M={m} {cfg.block_m}x{cfg.block_n} split {cfg.split_k}"
-                     + (" quant" if quant else ""),
-                     compile_like_launch(gemm_triton._gemm_small_m_kernel, gemm_small_m_args(m, n, k, quant),
-                                         constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+            constexprs = {"GROUPS_PER_SPLIT": triton.cdiv(groups, cfg.split_k), "SPLIT_K": cfg.split_k,
+                          "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}
+            show(f"small-M GEMM {name} M={m} {cfg.block_m}x{cfg.block_n} split {cfg.split_k}",
+                 compile_like_launch(gemm_triton._gemm_small_m_kernel, gemm_small_m_args(m, n, k), constexprs,
+                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
 
 if __name__ == "__main__":

@@ -143,27 +143,3 @@ def test_small_m_split_k_gemm_is_deterministic_and_leaves_counters_zero():
             spec = gemm_emulated(a, b, torch.float32)
             assert float((first - spec).norm() / spec.norm()) < 5e-4  # H200: 1e-7 (mma), 1.3e-4 (wgmma, M=64)
         assert int(_counters[torch.device("cuda", torch.cuda.current_device())].abs().sum()) == 0
-
-
-@requires_sm90
-@pytest.mark.parametrize("m", [1, 16, 64, 256])
-def test_linear_forward_quantizes_inside_the_small_m_gemm_bit_for_bit(m):
-    """fp8_linear_gemm at decode sizes: the Triton GEMM quantizes x itself, with the same bits as quantize()
-    then the GEMM; recorders still see the input's quantization (they take the two-launch path); M = 256
-    (cuBLAS) keeps the separate quantization."""
-    from jetrl.fp8 import get_recipe
-    from jetrl.fp8.gemm import _quantizes_in_gemm, fp8_linear_gemm
-    from jetrl.fp8.quant import record_quantization
-
-    spec = get_recipe("jet").linear("rollout").input
-    torch.manual_seed(m)
-    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
-    x[0, 7] = float("nan")  # a NaN group: its row is NaN both ways
-    w = quantize(torch.randn(6144, 4096, device="cuda") * 0.02, (128, 128))
-    want = fp8_gemm(quantize(x, col_major_scales=True), w)
-    assert _quantizes_in_gemm(x, w, spec) == (m <= 64)
-    got = fp8_linear_gemm(x, lambda: quantize(x, col_major_scales=True), w, spec, torch.bfloat16)
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-    with record_quantization() as log:
-        recorded = fp8_linear_gemm(x, lambda: quantize(x, name="x"), w, spec, torch.bfloat16)
-    assert [name for name, _ in log] == ["x"] and torch.equal(recorded.view(torch.int16), want.view(torch.int16))

@@ -83,9 +83,9 @@ def test_stacked_path_gives_the_separate_gemms_logits(monkeypatch):
         calls = []
         original = ProjectionGroup.output
 
-        def spy(self, member, x, x2d, spec, quantize_input):
+        def spy(self, member, x, spec, quantize_input):
             calls.append(member.fqn)
-            return original(self, member, x, x2d, spec, quantize_input)
+            return original(self, member, x, spec, quantize_input)
 
         monkeypatch.setattr(ProjectionGroup, "applies", lambda self, x, spec: not torch.is_grad_enabled())
         monkeypatch.setattr(ProjectionGroup, "output", spy)

@@ -129,14 +129,12 @@ def decode_attention_args(fp8: bool, B: int = 256, H: int = 32, Hkv: int = 8, S:
     return args
 
 
-def gemm_small_m_args(m: int, n: int, k: int, quant_input: bool = False) -> dict:
-    """Arguments of ``_gemm_small_m_kernel`` for an (m, k) x (n, k)^T GEMM, row-major activation scales;
-    ``quant_input``: a bf16 input that the kernel quantizes (``gemm_small_m_quantizing``)."""
+def gemm_small_m_args(m: int, n: int, k: int) -> dict:
+    """Arguments of ``_gemm_small_m_kernel`` for an (m, k) x (n, k)^T GEMM, row-major activation scales."""
     import torch
 
     codes, f32, bf16 = torch.empty(1, dtype=torch.float8_e4m3fn), torch.empty(1), torch.empty(1, dtype=torch.bfloat16)
     groups = -(-k // 128)
-    return {"a_ptr": bf16 if quant_input else codes, "sa_ptr": f32, "b_ptr": codes, "sb_ptr": f32, "out_ptr": bf16,
-            "work_ptr": f32, "count_ptr": torch.empty(1, dtype=torch.int32), "qa_ptr": torch.empty(1, dtype=torch.uint8),
-            "qsa_ptr": f32, "M": m, "N": n, "K": k, "stride_am": k, "stride_bn": k, "stride_sam": groups,
-            "stride_sak": 1, "stride_sbn": groups, "stride_om": n}
+    return {"a_ptr": codes, "sa_ptr": f32, "b_ptr": codes, "sb_ptr": f32, "out_ptr": bf16, "work_ptr": f32,
+            "count_ptr": torch.empty(1, dtype=torch.int32), "M": m, "N": n, "K": k, "stride_am": k, "stride_bn": k,
+            "stride_sam": groups, "stride_sak": 1, "stride_sbn": groups, "stride_om": n}

@@ -27,8 +27,7 @@ overridable (``override_backend``, or the ``JETRL_GEMM_BACKEND`` environment var
   It accumulates in the tensor cores' reduced-precision fp32, so it agrees with the
   emulation to about 2e-3 relative, not bitwise.
 * ``triton``: the small-M split-K kernel (kernels/gemm_triton.py) for decode-sized GEMMs
-  against a 128x128-block weight, where cuBLAS's fixed per-call cost dominates. A linear layer's
-  forward (:func:`fp8_linear_gemm`) hands it the unquantized input, which it quantizes itself.
+  against a 128x128-block weight, where cuBLAS's fixed per-call cost dominates.
 
 Per-shape dispatch on SM90 (:func:`choose_backend`) is a fixed rule of the shape -- never a
 timing taken at run time -- so a given shape always runs the same kernel with the same
@@ -40,14 +39,11 @@ not compute the quantized graph, and the rollout would leave the trainer's preci
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from jetrl.fp8.kernels import KERNEL_FLOAT_DTYPES
-from jetrl.fp8.quant import BLOCK, Float8Blocks, is_recording, quant_backend
-from jetrl.fp8.recipe import QuantSpec
+from jetrl.fp8.quant import BLOCK, Float8Blocks
 from jetrl.overrides import ScopedOverride, env_choice
 
 BACKENDS = ("emulated", "scaled_mm", "triton")
@@ -75,33 +71,6 @@ def fp8_gemm(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype = torch.bf
     if backend in ("scaled_mm", "triton"):  # the Triton kernel takes 128x128-block weights only
         return _scaled_mm(a, b, out_dtype)
     return gemm_emulated(a, b, out_dtype, torch.float64 if batch_invariant else torch.float32)
-
-
-def fp8_linear_gemm(x2d: torch.Tensor, quantize_input: Callable[[], Float8Blocks], b: Float8Blocks,
-                    input_spec: QuantSpec, out_dtype: torch.dtype) -> torch.Tensor:
-    """The forward GEMM of an FP8 linear layer without autograd: ``fp8_gemm(quantize_input(), b)``, where
-    ``quantize_input()`` is ``quantize(x2d, input_spec)`` (possibly memoized by the caller).
-
-    Where that GEMM is the Triton small-M kernel (decode sizes on SM90), the input's 1x128 quantization
-    runs inside the GEMM instead of as a kernel of its own (``gemm_small_m_quantizing``): the same codes,
-    scales and output bit for bit, one launch fewer per layer input. Not while a ``record_quantization``
-    block records (recorders see every quantization) nor with ``JETRL_QUANT_BACKEND=reference``.
-    """
-    if _quantizes_in_gemm(x2d, b, input_spec):
-        from jetrl.fp8.kernels.gemm_triton import gemm_small_m_quantizing
-
-        return gemm_small_m_quantizing(x2d, b.codes, b.scales, input_spec.pow2_scale, out_dtype)
-    return fp8_gemm(quantize_input(), b, out_dtype=out_dtype)
-
-
-def _quantizes_in_gemm(x2d: torch.Tensor, b: Float8Blocks, input_spec: QuantSpec) -> bool:
-    if not x2d.is_cuda or b.block != (BLOCK, BLOCK) or input_spec.block != (1, BLOCK) or is_recording():
-        return False
-    if x2d.dtype not in KERNEL_FLOAT_DTYPES or x2d.stride(1) != 1 or x2d.shape[1] != b.shape[1]:
-        return False
-    backend = resolve_backend(x2d.device)
-    picked = choose_backend(x2d.shape[0], b.block) if backend == "auto" else backend
-    return picked == "triton" and quant_backend(x2d.device) == "triton"
 
 
 def choose_backend(m: int, b_block: tuple[int, int] = (BLOCK, BLOCK)) -> str:

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from jetrl.fp8.gemm import fp8_gemm, fp8_linear_gemm
+from jetrl.fp8.gemm import fp8_gemm
 from jetrl.fp8.input_memo import InputMemo
 from jetrl.fp8.quant import BLOCK, Float8Blocks, quantize, quantize_with_transpose
 from jetrl.fp8.recipe import LinearPrecision, QuantSpec, Recipe, current_phase
@@ -144,10 +144,9 @@ class Float8Linear(nn.Linear):
 
             group = self.projection_group
             if group is not None and group.applies(x, spec):
-                y = group.output(self, x, x2d, spec, x_q)  # a column slice of the siblings' stacked GEMM
+                y = group.output(self, x, spec, x_q)  # a column slice of the siblings' stacked GEMM
             else:
-                w_q = self.weight_cache.get(self.weight, spec.weight)
-                y = fp8_linear_gemm(x2d, x_q, w_q, spec.input, x2d.dtype)
+                y = fp8_gemm(x_q(), self.weight_cache.get(self.weight, spec.weight), out_dtype=x2d.dtype)
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(y.dtype)
         save_for_wgrad = torch.is_grad_enabled() and self.weight.requires_grad

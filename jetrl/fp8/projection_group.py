@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from jetrl.fp8.gemm import fp8_linear_gemm
+from jetrl.fp8.gemm import fp8_gemm
 from jetrl.fp8.input_memo import InputMemo
 from jetrl.fp8.quant import BLOCK, E4M3, Float8Blocks
 from jetrl.fp8.recipe import LinearPrecision, QuantSpec
@@ -79,14 +79,12 @@ class ProjectionGroup:
         return (x.is_cuda and not torch.is_grad_enabled() and not x.is_inference()
                 and spec.weight.block == (BLOCK, BLOCK))
 
-    def output(self, member: Float8Linear, x: torch.Tensor, x2d: torch.Tensor, spec: LinearPrecision,
-               quantize_input) -> torch.Tensor:
-        """``member``'s (M, n) output: a column slice of the stacked GEMM of ``x`` (computed once per input);
-        ``x2d`` is ``x`` as (M, K), ``quantize_input()`` its quantization."""
+    def output(self, member: Float8Linear, x: torch.Tensor, spec: LinearPrecision, quantize_input) -> torch.Tensor:
+        """``member``'s (M, n) output: a column slice of the stacked GEMM of ``x`` (computed once per input)."""
 
         def stacked_gemm() -> torch.Tensor:
             self._unread = set(range(len(self.members)))
-            return fp8_linear_gemm(x2d, quantize_input, self.stacked_weight(spec.weight), spec.input, x.dtype)
+            return fp8_gemm(quantize_input(), self.stacked_weight(spec.weight), out_dtype=x.dtype)
 
         out = self._memo.get(x, spec, stacked_gemm)
         index = self.members.index(member)

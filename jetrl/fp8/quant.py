@@ -290,11 +290,6 @@ def _validate(x: torch.Tensor, block: tuple[int, int], name: str) -> None:
 _RECORDERS: list[list[tuple[str, Float8Blocks]]] = []
 
 
-def is_recording() -> bool:
-    """True inside a :func:`record_quantization` block (fused paths then quantize through ``quantize``)."""
-    return bool(_RECORDERS)
-
-
 @contextlib.contextmanager
 def record_quantization() -> Iterator[list[tuple[str, Float8Blocks]]]:
     """Collect every quantize() output produced inside the block, in call order."""

@@ -11,8 +11,8 @@ and V of all its kv heads, and writes codes and scales (or the model-dtype value
 
 Bit-identity with the trainer: the scale and the codes come from the quantizer's own jitted
 function (``quantize_rows`` of :mod:`jetrl.fp8.kernels.quant_triton`), the arithmetic the Triton
-quantizer does for a 1 x head_dim group, so the cache holds exactly what ``quantize_kv`` gives for the same K/V
-(tested under ``TRITON_INTERPRET=1`` and checked on the GPU by the engine tests).
+quantizer does for a 1 x head_dim group, so the cache holds exactly what ``quantize_kv`` gives for
+the same K/V (tested under ``TRITON_INTERPRET=1`` and checked on the GPU by the engine tests).
 """
 
 from __future__ import annotations

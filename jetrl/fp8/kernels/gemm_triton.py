@@ -32,8 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from jetrl.fp8.kernels.quant_triton import explicit_round, quantize_rows
-
 
 @dataclass(frozen=True)
 class SmallMConfig:
@@ -60,14 +58,10 @@ def small_m_config(m: int, n: int, k: int) -> SmallMConfig:
 
 @triton.jit
 def _gemm_small_m_kernel(
-    a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, work_ptr, count_ptr, qa_ptr, qsa_ptr,
+    a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, work_ptr, count_ptr,
     M, N, K, stride_am, stride_bn, stride_sam, stride_sak, stride_sbn, stride_om,
     GROUPS_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    QUANT_A: tl.constexpr, POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr, WRITE_A: tl.constexpr,
 ):
-    # QUANT_A: a_ptr is the unquantized input x (M, K) and sa_ptr unused: each (BLOCK_M, 128) group is
-    # quantized here by the quantizer's own quantize_rows. WRITE_A: the programs of output column block 0
-    # also store those codes (qa, (M, K) row-major) and scales (qsa, strides stride_sam / stride_sak).
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -78,20 +72,10 @@ def _gemm_small_m_kernel(
         g = pid_k * GROUPS_PER_SPLIT + i
         k = g * 128 + offs_k
         k_ok = k < K  # also false for a whole group past K (the last split may be short)
-        group_ok = g * 128 < K
-        a_mask = row_ok[:, None] & k_ok[None, :]
-        if QUANT_A:
-            x = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :], mask=a_mask, other=0.0).to(tl.float32)
-            code_bits, sa = quantize_rows(x, POW2, EXPLICIT_ROUND)
-            a = code_bits.to(tl.float8e4nv, bitcast=True)
-            if WRITE_A:
-                if pid_n == 0:
-                    tl.store(qa_ptr + rows[:, None] * K + k[None, :], code_bits, mask=a_mask)
-                    tl.store(qsa_ptr + rows * stride_sam + g * stride_sak, sa, mask=row_ok & group_ok)
-        else:
-            a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :], mask=a_mask, other=0.0)
-            sa = tl.load(sa_ptr + rows * stride_sam + g * stride_sak, mask=row_ok & group_ok, other=0.0)
+        a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptr + cols[:, None] * stride_bn + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        group_ok = g * 128 < K
+        sa = tl.load(sa_ptr + rows * stride_sam + g * stride_sak, mask=row_ok & group_ok, other=0.0)
         sb = tl.load(sb_ptr + (cols // 128) * stride_sbn + g, mask=col_ok & group_ok, other=0.0)
         partial = tl.dot(a, tl.trans(b), out_dtype=tl.float32)  # (BLOCK_M, BLOCK_N), exact products
         acc += partial * sa[:, None] * sb[None, :]
@@ -156,64 +140,27 @@ def gemm_small_m(
     counters are allocated on the first call, so run once before capturing a CUDA graph.
     """
     m, k = a_codes.shape
-    assert a_codes.stride(1) == 1 and a_scales.shape == (m, triton.cdiv(k, 128)), (a_codes.shape, a_scales.shape)
-    # a_scales may be row- or column-major (quantize(col_major_scales=...))
-    return _launch(a_codes, a_scales, b_codes, b_scales, out_dtype, config, quant=None)
-
-
-def gemm_small_m_quantizing(
-    x: torch.Tensor, b_codes: torch.Tensor, b_scales: torch.Tensor, pow2_scale: bool,
-    out_dtype: torch.dtype = torch.bfloat16, config: SmallMConfig | None = None, return_input: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``gemm_small_m(*quantize(x, (1, 128), pow2_scale=...), b_codes, b_scales)`` with the input's
-    quantization done inside the GEMM: one launch instead of two at decode sizes, where each launch
-    costs more than its bytes. Same codes, same scales, same products and summation order, so the
-    same output bit for bit (each program quantizes the groups it reads with the quantizer's own
-    ``quantize_rows``; the programs of other column blocks redo it, which costs ALU, not bytes).
-
-    ``x`` (M, K) bf16 / fp16 / fp32 with unit column stride. ``return_input``: also return the codes
-    (M, K) E4M3 and the scales (M, K/128) fp32 the kernel computed (for recorders and tests).
-    """
-    m, k = x.shape
-    assert x.stride(1) == 1 and x.dtype in (torch.bfloat16, torch.float16, torch.float32), (x.stride(), x.dtype)
-    codes = scales = None
-    if return_input:
-        codes = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-        scales = torch.empty((m, triton.cdiv(k, 128)), dtype=torch.float32, device=x.device)
-    out = _launch(x, scales, b_codes, b_scales, out_dtype, config, quant=(pow2_scale, codes))
-    return (out, codes, scales) if return_input else out
-
-
-def _launch(a: torch.Tensor, a_scales: torch.Tensor | None, b_codes: torch.Tensor, b_scales: torch.Tensor,
-            out_dtype: torch.dtype, config: SmallMConfig | None,
-            quant: tuple[bool, torch.Tensor | None] | None) -> torch.Tensor:
-    """One launch of the kernel; ``quant`` = (pow2_scale, codes to write or None) makes ``a`` the raw input."""
-    m, k = a.shape
     n = b_codes.shape[0]
-    assert b_codes.shape[1] == k and b_codes.stride(1) == 1, (a.shape, b_codes.shape)
-    assert b_scales.shape == (triton.cdiv(n, 128), triton.cdiv(k, 128)) and b_scales.stride(1) == 1, b_scales.shape
+    assert b_codes.shape[1] == k and a_codes.stride(1) == 1 and b_codes.stride(1) == 1, (a_codes.shape, b_codes.shape)
+    assert a_scales.shape == (m, triton.cdiv(k, 128)) and b_scales.shape == (triton.cdiv(n, 128), triton.cdiv(k, 128))
+    assert b_scales.stride(1) == 1  # a_scales may be row- or column-major (quantize(col_major_scales=...))
     cfg = config or small_m_config(m, n, k)
     groups_per_split = triton.cdiv(triton.cdiv(k, 128), cfg.split_k)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), cfg.split_k)
-    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=a_codes.device)
     if cfg.split_k > 1 and grid[0] * grid[1] > MAX_TILES:
         cfg = SmallMConfig(cfg.block_m, cfg.block_n, 1, cfg.num_warps, cfg.num_stages)  # no counters needed
         groups_per_split, grid = triton.cdiv(k, 128), (grid[0], grid[1], 1)
     if cfg.split_k > 1:
-        work = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=a.device)
-        counters = _tile_counters(a.device)
+        work = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=a_codes.device)
+        counters = _tile_counters(a_codes.device)
     else:
         work = counters = out  # unused
-    pow2, qa = quant if quant is not None else (False, None)
-    write_a = qa is not None
-    scales = a_scales if a_scales is not None else out  # unused when quantizing without writing
     _gemm_small_m_kernel[grid](
-        a, scales, b_codes, b_scales, out, work, counters,
-        qa.view(torch.uint8) if write_a else out, scales,
-        m, n, k, a.stride(0), b_codes.stride(0), scales.stride(0) if a_scales is not None else 0,
-        scales.stride(1) if a_scales is not None else 0, b_scales.stride(0), out.stride(0),
+        a_codes, a_scales, b_codes, b_scales, out, work, counters,
+        m, n, k, a_codes.stride(0), b_codes.stride(0), a_scales.stride(0), a_scales.stride(1), b_scales.stride(0),
+        out.stride(0),
         GROUPS_PER_SPLIT=groups_per_split, SPLIT_K=cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        QUANT_A=quant is not None, POW2=pow2, EXPLICIT_ROUND=explicit_round(), WRITE_A=write_a,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
