@@ -80,6 +80,31 @@ def test_greedy_with_cache_and_continuous_batching_equals_full_forward(arch, syn
 
 
 
+@pytest.mark.parametrize("sync_every", [1, 4])
+@pytest.mark.parametrize("num_prompts", [3, 7])  # all fit in the slots (overlap throughout), or groups wait
+def test_overlapped_sync_gives_the_serial_completions(sync_every, num_prompts):
+    """Launching window i+1 before syncing window i (engine.py, overlap_sync) changes no token, logprob,
+    finish reason or text: stop tokens, stop strings (host-only), max_tokens and a full context."""
+    model, tok, max_len = tiny_model("qwen3"), CharTokenizer(), 30
+    prompts = random_prompts([3, 11, 1, 17, 6, 9, max_len - 5][:num_prompts], vocab=len(CharTokenizer.alphabet))
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=14, seed=5, stop_token_ids=[7], stop=["ab", "x"])
+    outs, calls = {}, []
+    for overlap in (False, True):
+        engine = Engine(model, tokenizer=tok, max_slots=6, max_len=max_len, sync_every=sync_every,
+                        overlap_sync=overlap)
+        window, sync = engine._decode_window, engine._sync
+        engine._decode_window = lambda *a, w=window: calls.append(("window", overlap)) or w(*a)
+        engine._sync = lambda *a, s=sync: calls.append(("sync", overlap)) or s(*a)
+        outs[overlap] = engine.generate(prompts, params)
+    assert outs[True] == outs[False]
+    reasons = {c.finish_reason for group in outs[True] for c in group}
+    assert reasons == {"stop", "length"}, reasons
+    # with overlap a window is launched while the previous one is unsynced (two in a row); serially never
+    for overlap in (False, True):
+        order = [kind for kind, o in calls if o == overlap]
+        assert any(a == b == "window" for a, b in zip(order, order[1:])) == overlap, (overlap, order)
+
+
 # ----------------------------------------------------------------------------- 2. engine vs trainer
 def test_engine_logprobs_match_trainer_per_recipe(capsys):
     """Same sampled tokens, logprobs from the engine (rollout phase, KV cache) vs one trainer forward.

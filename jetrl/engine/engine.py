@@ -30,6 +30,15 @@ still generate, so a short tail does not run wasted steps. Larger windows mean f
 but admission only at window boundaries and up to ``sync_every - 1`` wasted steps per
 finished sequence.
 
+Overlap (``overlap_sync``, default on): the host's part of a sync -- appending a window's tokens,
+the stop rules, freeing slots -- costs ~1-2 ms per window of 256 rows, during which the GPU would
+have nothing queued. While no group waits for a slot, the engine therefore launches window i+1
+(its result copies to pinned memory are queued behind it) *before* it syncs window i. The device
+state needs nothing from the host (the freeze rules run there), so the tokens are the same; the
+host's view lags one window: ``steps`` counts the tokens still in flight, slots are freed a window
+later, and a rollout whose last rows stop on a stop token may run one window of frozen rows at
+the end. While groups wait, every sync comes first (admission needs the freed slots).
+
 Invariants: a sequence's tokens depend only on its prompt, its seed and sample index, and the
 logits of its own row (sampling.py); the device freeze rules equal the host's token rules, so
 the host never reads a token of a frozen row as output (checked at every sync).
@@ -75,6 +84,18 @@ class EngineStats:
     num_syncs: int = 0
 
 
+@dataclass
+class _Round:
+    """One admission + decode window, launched: its results on their way to the host (engine._stage)."""
+
+    pending: list  # (sequences, first tokens, logprobs) per prefill, host copies
+    running: list  # (sequence, slot) of the window's rows, as at launch
+    window: tuple[Tensor, Tensor] | None  # (steps, rows) tokens and logprobs, host copies
+    done: Tensor  # the rows' freeze flags after the window, host copy
+    steps: int
+    ready: Any  # a CUDA event recorded after the copies (None on CPU)
+
+
 class Engine:
     """Generate completions with ``model`` (a :class:`jetrl.models.CausalLM`, FP8-converted or not).
 
@@ -84,6 +105,7 @@ class Engine:
     max_len:          prompt + completion tokens per sequence (the KV cache's length).
     max_prefill_tokens: padded tokens per prefill forward (a longer prompt still runs, alone).
     sync_every:       decode steps between host syncs (default 8 on CUDA, 1 on CPU).
+    overlap_sync:     launch the next decode window before syncing the last one (module docstring).
     use_cuda_graphs:  capture the decode forward per batch-size bucket (default on CUDA; ignored on CPU).
     use_decode_kernel: decode attention by the fused kernel (jetrl/engine/decode_attention.py) that
                       reads the cache (FP8 codes + scales) directly; default on CUDA with Triton,
@@ -107,6 +129,7 @@ class Engine:
         use_cuda_graphs: bool | None = None,
         graph_buckets: list[int] | None = None,
         use_decode_kernel: bool | None = None,
+        overlap_sync: bool = True,
     ) -> None:
         for name, value in (("max_slots", max_slots), ("max_len", max_len), ("max_prefill_tokens", max_prefill_tokens)):
             if not isinstance(value, int) or value < 1 or (name == "max_len" and value < 2):
@@ -118,6 +141,7 @@ class Engine:
         self.max_slots, self.max_len, self.max_prefill_tokens = max_slots, max_len, max_prefill_tokens
         self._sync_every, self._want_graphs = sync_every, use_cuda_graphs is not False
         self._want_decode_kernel = use_decode_kernel
+        self.overlap_sync = bool(overlap_sync)
         self.stats = EngineStats()
         self._graph_buckets = graph_buckets
         self._state_key: tuple | None = None
@@ -205,14 +229,34 @@ class Engine:
             if self.use_cuda_graphs:
                 self._check_graph_weights()
             self.done.fill_(True)
+            in_flight: dict[int, int] = {}  # id(seq) -> its tokens made on the device, not yet on the host
+            last: _Round | None = None  # launched, not yet synced
             while scheduler.has_work():
+                if last is not None and (scheduler.waiting or not self.overlap_sync):
+                    self._sync(scheduler, check, last, in_flight)  # admission needs the slots it frees
+                    last = None
+                    continue
                 admitted = scheduler.admit()
                 pending = [self._prefill(chunk, params, stop_tensor) for chunk in self._prefill_chunks(admitted)]
+                for seqs, _, _ in pending:
+                    for seq in seqs:
+                        in_flight[id(seq)] = in_flight.get(id(seq), 0) + 1
                 running = [(seq, seq.slot) for seq in scheduler.running_in_slot_order()]
                 num_rows = scheduler.num_active_rows
-                steps = self._window_steps(running, params, has_pending=bool(pending))
+                steps = self._window_steps(running, params, in_flight)
                 window = self._decode_window(num_rows, steps, params, stop_tensor)
-                self._sync(scheduler, check, pending, running, window, num_rows)
+                if window is not None:
+                    for seq, _ in running:
+                        in_flight[id(seq)] = in_flight.get(id(seq), 0) + steps
+                current = self._stage(pending, running, window, num_rows, steps)
+                if last is not None:
+                    self._sync(scheduler, check, last, in_flight)  # the GPU runs `current` meanwhile
+                last = current
+                if window is None and not pending:  # nothing launched: the host catches up
+                    self._sync(scheduler, check, last, in_flight)
+                    last = None
+            if last is not None:
+                self._sync(scheduler, check, last, in_flight)
         return [[self._completion(seq) for seq in group] for group in groups]
 
     # ------------------------------------------------------------------ prefill
@@ -300,44 +344,63 @@ class Engine:
         done = (counts >= params.max_tokens) | (lengths + 1 >= self.max_len)
         return done if stop_tensor is None else done | torch.isin(tokens, stop_tensor)
 
-    def _window_steps(self, running: list[tuple[Sequence, int]], params: SamplingParams, has_pending: bool) -> int:
-        """``sync_every``, cut to the most tokens any running sequence may still generate."""
+    def _window_steps(self, running: list[tuple[Sequence, int]], params: SamplingParams,
+                      in_flight: dict[int, int]) -> int:
+        """``sync_every``, cut to the most tokens any running sequence may still generate, counting its
+        tokens made on the device but not yet synced."""
         most = 0
         for seq, _ in running:
-            made = len(seq.output_ids) + (1 if has_pending and not seq.output_ids else 0)
+            made = len(seq.output_ids) + in_flight.get(id(seq), 0)
             most = max(most, min(params.max_tokens - made, self.max_len - len(seq.prompt_ids) - made))
         return max(0, min(self.sync_every, most))
 
     # ------------------------------------------------------------------ host sync
-    def _sync(
-        self,
-        scheduler: Scheduler,
-        check: StopChecker,
-        pending: list,
-        running: list[tuple[Sequence, int]],
-        window: tuple[Tensor, Tensor] | None,
-        num_rows: int,
-    ) -> None:
-        """Copy the round's tokens to the host, append them in order, free finished slots."""
+    def _stage(self, pending: list, running: list[tuple[Sequence, int]], window: tuple[Tensor, Tensor] | None,
+               num_rows: int, steps: int) -> _Round:
+        """Queue the device->host copies of a round's results behind its work (pinned memory, no host wait):
+        the prefills' first tokens, the window's tokens and logprobs, and the rows' freeze flags after it."""
+        to_host = self._to_host
+        staged = [(seqs, to_host(tokens), to_host(logprobs)) for seqs, tokens, logprobs in pending]
+        window = None if window is None else (to_host(window[0]), to_host(window[1]))
+        done = to_host(self.done[:num_rows])
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return _Round(staged, running, window, done, steps, ready)
+
+    def _to_host(self, t: Tensor) -> Tensor:
+        if t.device.type == "cpu":
+            return t.clone()  # a snapshot: the engine's state tensors change in place
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+    def _sync(self, scheduler: Scheduler, check: StopChecker, round_: _Round, in_flight: dict[int, int]) -> None:
+        """Wait for a round's copies, append its tokens in order, free finished slots (module docstring)."""
+        if round_.ready is not None:
+            round_.ready.synchronize()  # this round's copies only, not the work queued after them
         self.stats.num_syncs += 1
-        for seqs, tokens, logprobs in pending:
+        for seqs, tokens, logprobs in round_.pending:
             for seq, tok, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
+                in_flight[id(seq)] -= 1
                 scheduler.append(seq, tok, lp, check)
-        if window is not None:
-            tokens, logprobs = window[0].tolist(), window[1].tolist()
-            for step_tokens, step_logprobs in zip(tokens, logprobs):
-                for seq, slot in running:
-                    if not seq.is_finished:
-                        scheduler.append(seq, step_tokens[slot], step_logprobs[slot], check)
-        freed = sorted({slot for seq, slot in running if seq.is_finished})
-        if num_rows:
-            # Invariant: every row the device froze is finished on the host too (same token rules).
-            done = self.done[:num_rows].tolist()
-            stray = [seq for seq, slot in running if done[slot] and not seq.is_finished]
-            if stray:
-                raise RuntimeError(f"engine bug: device froze {len(stray)} sequences the host still runs")
+        if round_.window is not None:
+            # (rows, steps): each running sequence's tokens of the window in one list, appended at once
+            tokens, logprobs = round_.window[0].t().tolist(), round_.window[1].t().tolist()
+            for seq, slot in round_.running:
+                in_flight[id(seq)] -= round_.steps
+                if not seq.is_finished:
+                    scheduler.extend(seq, tokens[slot], logprobs[slot], check)
+        # Invariant: every row the device froze is finished on the host too (same token rules).
+        done = round_.done.tolist()
+        stray = [seq for seq, slot in round_.running if done[slot] and not seq.is_finished]
+        if stray:
+            raise RuntimeError(f"engine bug: device froze {len(stray)} sequences the host still runs")
+        freed = sorted({slot for seq, slot in round_.running if seq.is_finished})
         if freed:
-            self.done[torch.tensor(freed, device=self.device)] = True
+            index = torch.tensor(freed, dtype=torch.int64)
+            if self.device.type == "cuda":  # pinned, non-blocking: no wait for the window in flight
+                index = index.pin_memory().to(self.device, non_blocking=True)
+            self.done[index] = True
 
     # ------------------------------------------------------------------ inputs and outputs
     def _encode(self, prompts: list[list[int]] | list[str]) -> list[list[int]]:

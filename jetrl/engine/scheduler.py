@@ -105,6 +105,23 @@ class StopChecker:
             return "length", None
         return None, None
 
+    def first_finish(self, seq: Sequence, tokens: list[int]) -> tuple[int, str, int | None] | None:
+        """The token rules of ``__call__`` applied as ``tokens`` are appended to ``seq`` one by one, in one
+        pass: (index of the token that finishes it, reason, stop_reason), or None if none does. For
+        sequences without stop strings (text needs the detokenizer, token by token).
+
+        After appending token j, ``seq`` holds len(output) + j + 1 tokens, so the length rule first fires at
+        j = min(max_tokens - len(output), max_len - num_tokens) - 1 (at once if that is < 0); a stop token at
+        or before that index wins, as in ``__call__``.
+        """
+        room = min(self.params.max_tokens - len(seq.output_ids), self.max_len - seq.num_tokens) - 1
+        limit = max(room, 0)
+        if self.stop_token_ids:
+            for j, token in enumerate(tokens[: limit + 1]):
+                if token in self.stop_token_ids:
+                    return j, "stop", token
+        return (limit, "length", None) if limit < len(tokens) else None
+
 
 class Scheduler:
     """A FIFO queue of groups and ``num_slots`` slots; see the module docstring for the rules."""
@@ -139,6 +156,22 @@ class Scheduler:
         reason, stop_reason = check(seq, token)
         if reason is not None:
             self.finish(seq, reason, stop_reason)
+        return seq.is_finished
+
+    def extend(self, seq: Sequence, tokens: list[int], logprobs: list[float], check: StopChecker) -> bool:
+        """``append`` each token in turn until one finishes ``seq`` (the rest are dropped), as one list
+        extension where no stop string needs the text token by token (the engine's host sync per window)."""
+        if seq.detokenizer is not None and check.params.stop:
+            for token, logprob in zip(tokens, logprobs):
+                if self.append(seq, token, logprob, check):
+                    break
+            return seq.is_finished
+        hit = check.first_finish(seq, tokens)
+        n = len(tokens) if hit is None else hit[0] + 1
+        seq.output_ids.extend(tokens[:n])
+        seq.output_logprobs.extend(logprobs[:n])
+        if hit is not None:
+            self.finish(seq, hit[1], hit[2])
         return seq.is_finished
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> int:
