@@ -31,13 +31,14 @@ but admission only at window boundaries and up to ``sync_every - 1`` wasted step
 finished sequence.
 
 Overlap (``overlap_sync``, default on): the host's part of a sync -- appending a window's tokens,
-the stop rules, freeing slots -- costs ~1-2 ms per window of 256 rows, during which the GPU would
+the stop rules, freeing slots -- costs 1-3 ms per window of 256 rows, during which the GPU would
 have nothing queued. While no group waits for a slot, the engine therefore launches window i+1
 (its result copies to pinned memory are queued behind it) *before* it syncs window i. The device
-state needs nothing from the host (the freeze rules run there), so the tokens are the same; the
-host's view lags one window: ``steps`` counts the tokens still in flight, slots are freed a window
-later, and a rollout whose last rows stop on a stop token may run one window of frozen rows at
-the end. While groups wait, every sync comes first (admission needs the freed slots).
+state needs nothing from the host (the freeze rules run there), so each sequence gets the same
+tokens, up to batch invariance (see the invariants below: a freed slot leaves the batch a window
+later). The host's view lags one window: ``steps`` counts the tokens still in flight, and a rollout
+whose last rows stop on a stop token may run one window of frozen rows at the end. While groups
+wait, every sync comes first (admission needs the freed slots).
 
 Invariants: a sequence's tokens depend only on its prompt, its seed and sample index, and the
 logits of its own row (sampling.py); the device freeze rules equal the host's token rules, so
