@@ -107,6 +107,13 @@ def test_overlapped_sync_gives_the_serial_completions(sync_every, num_prompts, s
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=LOGPROB_ATOL, rtol=0)
     reasons = {c.finish_reason for group in outs[True] for c in group}
     assert reasons == {"stop", "length"}, reasons
+    if not stop and num_prompts == 3:  # the host counts tokens in flight: overlap runs no extra decode step
+        plain = SamplingParams(n=2, temperature=1.0, max_tokens=14, seed=5, ignore_eos=True)
+        steps = [Engine(model, max_slots=6, max_len=max_len, sync_every=sync_every, overlap_sync=overlap)
+                 for overlap in (False, True)]
+        for engine in steps:
+            engine.generate(prompts, plain)
+        assert steps[0].stats.num_decode_steps == steps[1].stats.num_decode_steps
     # with overlap a window is launched while the previous one is unsynced (two in a row); serially never
     for overlap in (False, True):
         order = [kind for kind, o in calls if o == overlap]
