@@ -93,7 +93,6 @@ class _Round:
     running: list  # (sequence, slot) of the window's rows, as at launch
     window: tuple[Tensor, Tensor] | None  # (steps, rows) tokens and logprobs, host copies
     done: Tensor  # the rows' freeze flags after the window, host copy
-    steps: int
     ready: Any  # a CUDA event recorded after the copies (None on CPU)
 
 
@@ -249,7 +248,7 @@ class Engine:
                 if window is not None:
                     for seq, _ in running:
                         in_flight[id(seq)] = in_flight.get(id(seq), 0) + steps
-                current = self._stage(pending, running, window, num_rows, steps)
+                current = self._stage(pending, running, window, num_rows)
                 if last is not None:
                     self._sync(scheduler, check, last, in_flight)  # the GPU runs `current` meanwhile
                 last = current
@@ -357,7 +356,7 @@ class Engine:
 
     # ------------------------------------------------------------------ host sync
     def _stage(self, pending: list, running: list[tuple[Sequence, int]], window: tuple[Tensor, Tensor] | None,
-               num_rows: int, steps: int) -> _Round:
+               num_rows: int) -> _Round:
         """Queue the device->host copies of a round's results behind its work (pinned memory, no host wait):
         the prefills' first tokens, the window's tokens and logprobs, and the rows' freeze flags after it."""
         to_host = self._to_host
@@ -368,7 +367,7 @@ class Engine:
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return _Round(staged, running, window, done, steps, ready)
+        return _Round(staged, running, window, done, ready)
 
     def _to_host(self, t: Tensor) -> Tensor:
         if t.device.type == "cpu":
@@ -386,9 +385,10 @@ class Engine:
                 scheduler.append(seq, tok, lp, check)
         if round_.window is not None:
             # (rows, steps): each running sequence's tokens of the window in one list, appended at once
+            steps = round_.window[0].shape[0]
             tokens, logprobs = round_.window[0].t().tolist(), round_.window[1].t().tolist()
             for seq, slot in round_.running:
-                in_flight[id(seq)] -= round_.steps
+                in_flight[id(seq)] -= steps
                 if not seq.is_finished:
                     scheduler.extend(seq, tokens[slot], logprobs[slot], check)
         # Invariant: every row the device froze is finished on the host too (same token rules).
