@@ -15,13 +15,13 @@ import os
 
 import torch
 
+from jetrl.bench.kernels import rotating_weights, taking_turns
 from jetrl.bench.shapes import h200_config
 from jetrl.bench.timing import graph_time_us
 from jetrl.fp8.gemm import _scaled_mm
 from jetrl.fp8.quant import BLOCK, Float8Blocks, quantize
 
 DEV = torch.device("cuda")
-L2_BYTES = 60 << 20
 
 
 def k_parts(blocks: Float8Blocks, parts: int) -> list[Float8Blocks]:
@@ -68,25 +68,16 @@ def main() -> None:
     results = []
     torch.manual_seed(0)
     for name, k, n in cfg.layer_gemms():
-        copies = max(2, -(-3 * L2_BYTES // (n * k)))
-        weights = [quantize(torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02, (BLOCK, BLOCK))
-                   for _ in range(copies)]
-        bf16_w = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) for _ in range(max(2, copies // 2))]
+        weights, bf16_w = rotating_weights(n, k, DEV)
+        copies = len(weights)
         for m in rows:
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
             a = quantize(x, (1, BLOCK), col_major_scales=True)
             ref = _scaled_mm(a, weights[0], torch.bfloat16).float()
-            turn = {"i": 0}
-
-            def rotating(fn, pool):
-                def call():
-                    turn["i"] = (turn["i"] + 1) % len(pool)
-                    return fn(pool[turn["i"]])
-                return call
 
             row = {"gemm": name, "M": m, "N": n, "K": k}
-            row["bf16_us"] = graph_time_us(rotating(lambda w: x @ w.t(), bf16_w), DEV, calls=len(bf16_w), replays=20)
-            row["cublas_us"] = graph_time_us(rotating(lambda w: _scaled_mm(a, w, torch.bfloat16), weights), DEV,
+            row["bf16_us"] = graph_time_us(taking_turns(lambda w: x @ w.t(), bf16_w), DEV, calls=len(bf16_w), replays=20)
+            row["cublas_us"] = graph_time_us(taking_turns(lambda w: _scaled_mm(a, w, torch.bfloat16), weights), DEV,
                                              calls=copies, replays=20)
             for s in splits:
                 if (k // BLOCK) % s:
@@ -102,7 +93,7 @@ def main() -> None:
                 err = float((split_gemm(a_p, pieces[0], streams, True).float() - ref).norm() / ref.norm())
                 for concurrent in (True, False):
                     key = f"split{s}_{'streams' if concurrent else 'serial'}_us"
-                    row[key] = graph_time_us(rotating(lambda p, c=concurrent: split_gemm(a_p, p, streams, c), pieces),
+                    row[key] = graph_time_us(taking_turns(lambda p, c=concurrent: split_gemm(a_p, p, streams, c), pieces),
                                              DEV, calls=copies, replays=20)
                 row[f"split{s}_rel_err"] = err
             results.append(row)

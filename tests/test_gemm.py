@@ -60,20 +60,33 @@ def test_dispatch_uses_emulation_on_cpu_and_override_is_scoped():
     with pytest.raises(ValueError, match="unknown FP8 GEMM backend"):
         with override_backend("cutlass"):
             pass
-    assert set(BACKENDS) == {"emulated", "scaled_mm", "triton"}
+    assert set(BACKENDS) == {"emulated", "scaled_mm", "triton", "gluon"}
 
 
-def test_per_shape_choice_is_a_fixed_rule():
-    from jetrl.fp8.gemm import SMALL_M_MAX, choose_backend
+def test_per_shape_choice_is_a_fixed_rule(monkeypatch):
+    import jetrl.fp8.gemm as gemm
+    from jetrl.fp8.gemm import SMALL_M_MAX, choose_backend, gluon_tiles
 
     for m in (1, 16, SMALL_M_MAX):
-        assert choose_backend(m) == "triton"
+        assert choose_backend(m) == "triton"  # M alone: the Triton kernel up to 64 rows
     assert choose_backend(SMALL_M_MAX + 1) == "scaled_mm"
     assert choose_backend(8192) == "scaled_mm"
     assert choose_backend(16, (1, 128)) == "scaled_mm"  # wgrad operands: cuBLAS only
+    # with the shape: the 8B layer's GEMMs (N, K) = qkv, o, gate_up, down, as bench/sweep_gemm_gluon.py chose
+    monkeypatch.setattr(gemm, "has_gluon", lambda: True)
+    qkv, o, gate_up, down = (6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)
+    expect = {16: ("triton",) * 4, 32: ("triton",) * 4, 64: ("gluon", "gluon", "triton", "triton"),
+              128: ("gluon", "gluon", "scaled_mm", "gluon"), 256: ("scaled_mm", "gluon", "scaled_mm", "gluon"),
+              8192: ("scaled_mm",) * 4}
+    for m, picks in expect.items():
+        assert tuple(choose_backend(m, (128, 128), n, k) for n, k in (qkv, o, gate_up, down)) == picks, m
+    assert choose_backend(64, (128, 128), 4096, 4096 + 128) == "triton"  # K not a multiple of 256
+    assert gluon_tiles(256, *down) == gluon_tiles(256, *down)  # a pure function of the shape
+    monkeypatch.setattr(gemm, "has_gluon", lambda: False)
+    assert choose_backend(256, (128, 128), *o) == "scaled_mm" and choose_backend(64, (128, 128), *o) == "triton"
 
 
-@pytest.mark.parametrize("name", ["scaled_mm", "triton"])
+@pytest.mark.parametrize("name", ["scaled_mm", "triton", "gluon"])
 def test_env_backend_the_device_cannot_run_is_an_actionable_error(monkeypatch, name):
     import jetrl.fp8.gemm as gemm
 

@@ -28,6 +28,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -257,9 +258,9 @@ def _fp8_backends(device: torch.device) -> list[str]:
     return [b for b in gemm_module.BACKENDS if b != "emulated"]
 
 
-def _dispatch_pick(m: int, device: torch.device) -> str:
+def _dispatch_pick(m: int, n: int, k: int, device: torch.device) -> str:
     backend = gemm_module.resolve_backend(device)
-    return gemm_module.choose_backend(m) if backend == "auto" else backend
+    return gemm_module.choose_backend(m, (128, 128), n, k) if backend == "auto" else backend
 
 
 L2_FLUSH_BYTES = 150_000_000  # weight bytes per timed layer set: 3x the H200's 50 MB L2
@@ -351,6 +352,20 @@ def _stacking_row(cfg: BenchConfig, m: int, device: torch.device, graph: dict) -
                      f"{times['bf16_stacked'] / times['fp8_stacked']:.2f}x")}
 
 
+def rotating_weights(n: int, k: int, device: torch.device) -> tuple[list[Float8Blocks], list[torch.Tensor]]:
+    """FP8 (128x128 blocks) and BF16 copies of random (n, k) weights, >= L2_FLUSH_BYTES of each, so that
+    captured calls taking them in turn (:func:`taking_turns`) never find the weight in L2 (sweep scripts)."""
+    copies = max(2, -(-L2_FLUSH_BYTES // (n * k)))
+    fp8 = [quantize(torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02, (128, 128)) for _ in range(copies)]
+    bf16 = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(max(2, copies // 2))]
+    return fp8, bf16
+
+
+def taking_turns(fn: Callable[[Any], object], pool: list) -> Callable[[], object]:
+    """One callable that runs ``fn(pool[0])``, ``fn(pool[1])``, ... in turn."""
+    return _in_turn([partial(fn, item) for item in pool])
+
+
 def _decode_layer(name: str, n: int, k: int, device: torch.device) -> tuple[torch.Tensor, Float8Blocks, Float8Linear]:
     """A random (n, k) BF16 weight, its FP8 blocks and a ``jet`` Float8Linear on it."""
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
@@ -382,7 +397,7 @@ def _decode_row(label: str, m: int, n: int, k: int, layers: list, backends: list
     w, wq, fp8 = layers[0]
     spec = gemm_emulated(xq, wq, torch.float32)
     row: dict[str, Any] = {"name": label, "unit": "us", "m": m, "n": n, "k": k, "baseline_label": "bf16",
-                           "value_label": "fp8", "pick": _dispatch_pick(m, device), "weight_copies": len(layers)}
+                           "value_label": "fp8", "pick": _dispatch_pick(m, n, k, device), "weight_copies": len(layers)}
     row["baseline"] = graph_time_us(_in_turn([partial(F.linear, x, lw) for lw, _, _ in layers]), device, **graph)
     errs, failures = {}, []
     for backend in backends:

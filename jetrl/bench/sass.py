@@ -76,7 +76,12 @@ def compile_like_launch(fn, args: dict[str, Any], constexprs: dict[str, Any], *,
             signature[name] = kind
             if key == "D":
                 attrs[(index,)] = [["tt.divisibility", 16]]
-    source = ASTSource(fn, signature, consts, attrs)
+    if getattr(fn, "is_gluon", lambda: False)():  # a Gluon kernel (gemm_gluon.py) builds its IR its own way
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        source = GluonASTSource(fn, signature, consts, attrs)
+    else:
+        source = ASTSource(fn, signature, consts, attrs)
     return triton.compile(source, target=GPUTarget("cuda", SM90, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 

@@ -28,6 +28,9 @@ overridable (``override_backend``, or the ``JETRL_GEMM_BACKEND`` environment var
   emulation to about 2e-3 relative, not bitwise.
 * ``triton``: the small-M split-K kernel (kernels/gemm_triton.py) for decode-sized GEMMs
   against a 128x128-block weight, where cuBLAS's fixed per-call cost dominates.
+* ``gluon``: the warp-specialized Hopper kernel (kernels/gemm_gluon.py: TMA producer warp, two
+  FP8 ``wgmma`` groups in flight per consumer warpgroup) for GEMMs whose output tiles fit in one
+  wave of the GPU's SMs, where cuBLAS's 128 x 128 tiles leave SMs idle. K a multiple of 256.
 
 Per-shape dispatch on SM90 (:func:`choose_backend`) is a fixed rule of the shape -- never a
 timing taken at run time -- so a given shape always runs the same kernel with the same
@@ -39,6 +42,7 @@ not compute the quantized graph, and the rollout would leave the trainer's preci
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +50,11 @@ import torch.nn.functional as F
 from jetrl.fp8.quant import BLOCK, Float8Blocks
 from jetrl.overrides import ScopedOverride, env_choice
 
-BACKENDS = ("emulated", "scaled_mm", "triton")
+BACKENDS = ("emulated", "scaled_mm", "triton", "gluon")
 SMALL_M_MAX = 64  # rows up to which the Triton small-M kernel beats cuBLAS block FP8 (bench section c)
+ONE_WAVE_CTAS = 132  # the H200's SM count: the Gluon kernel is chosen where its tiles fill one wave
+GLUON_MIN_M = 32  # below this many rows the Triton kernel's 16/32-row tiles win (bench (c), run O)
+LONG_K = 8192  # K from which split-K (Triton, M <= 64) or 128 x 64 tiles (Gluon) win (bench/sweep_gemm_gluon.py)
 _override = ScopedOverride("FP8 GEMM backend", BACKENDS)
 _resolved: dict[str, str] = {}
 
@@ -62,26 +69,67 @@ def fp8_gemm(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype = torch.bf
     """
     _check_operands(a, b)
     backend = resolve_backend(a.codes.device)
+    m, n, k = a.shape[0], b.shape[0], a.shape[1]
     if backend == "auto":
-        backend = choose_backend(a.shape[0], b.block)
+        backend = choose_backend(m, b.block, n, k)
+    if backend == "gluon" and b.block == (BLOCK, BLOCK) and k % (2 * BLOCK) == 0:
+        from jetrl.fp8.kernels.gemm_gluon import gemm_mid_m
+
+        return gemm_mid_m(a.codes, a.scales, b.codes, b.scales, out_dtype, gluon_tiles(m, n, k))
     if backend == "triton" and b.block == (BLOCK, BLOCK):
         from jetrl.fp8.kernels.gemm_triton import gemm_small_m
 
         return gemm_small_m(a.codes, a.scales, b.codes, b.scales, out_dtype)
-    if backend in ("scaled_mm", "triton"):  # the Triton kernel takes 128x128-block weights only
+    if backend in ("scaled_mm", "triton", "gluon"):  # the fast kernels take 128x128-block weights only
         return _scaled_mm(a, b, out_dtype)
     return gemm_emulated(a, b, out_dtype, torch.float64 if batch_invariant else torch.float32)
 
 
-def choose_backend(m: int, b_block: tuple[int, int] = (BLOCK, BLOCK)) -> str:
-    """The SM90 kernel for a GEMM of ``m`` rows: a fixed rule of the shape (see module docstring).
+def choose_backend(m: int, b_block: tuple[int, int] = (BLOCK, BLOCK), n: int | None = None,
+                   k: int | None = None) -> str:
+    """The SM90 kernel for an (m, n, k) GEMM: a fixed rule of the shape (see module docstring).
 
-    Only M and the weight layout decide today: section (c) of ``jetrl bench`` measured the Triton
-    kernel ahead of cuBLAS at M <= 64 on every N x K of an 8B layer, and behind it at M >= 128.
+    From ``jetrl bench`` (c) and ``bench/sweep_gemm_gluon.py`` on an H200 (docs/benchmarks.md):
+
+    * M <= 32: the Triton small-M kernel (16- and 32-row tiles; Gluon's 64-row wgmma tile is 10-40%
+      slower at M = 1 and 16);
+    * M <= 64: the Gluon kernel where its tiles (:func:`gluon_tiles`) fit in one wave of 132 SMs and K
+      is short (qkv, o), else Triton (gate_up has too many tiles; down's split-K streams its long K);
+    * M > 64: the Gluon kernel where its tiles fit in one wave (o, down at M = 256), else cuBLAS (qkv and
+      gate_up at M = 256: cuBLAS reaches 1.1 PFLOPS on gate_up, which neither kernel here does).
+
+    Without n and k (or without Gluon) only M decides: Triton up to 64 rows, cuBLAS above.
     """
-    if b_block == (BLOCK, BLOCK) and m <= SMALL_M_MAX:
-        return "triton"
-    return "scaled_mm"
+    if b_block != (BLOCK, BLOCK):
+        return "scaled_mm"  # wgrad's 1x128 operands: cuBLAS only
+    if n is not None and k is not None and m > GLUON_MIN_M and k % (2 * BLOCK) == 0 and has_gluon():
+        tiles = gluon_tiles(m, n, k)
+        fits = -(-m // tiles.block_m) * -(-n // tiles.block_n) <= ONE_WAVE_CTAS
+        if fits and not (m <= SMALL_M_MAX and k >= LONG_K):
+            return "gluon"
+    return "triton" if m <= SMALL_M_MAX else "scaled_mm"
+
+
+def gluon_tiles(m: int, n: int, k: int):
+    """The Gluon kernel's tiles for an (m, n, k) GEMM, a pure function of the shape (the sweep's best):
+    64 x 64 up to 64 rows, 128 x 64 with 8 stages for a long K, 64 x 128 otherwise."""
+    from jetrl.fp8.kernels.gluon_tiles import GluonConfig
+
+    if m <= SMALL_M_MAX:
+        return GluonConfig(64, 64, stages=6, unroll=4)
+    if k >= LONG_K:
+        return GluonConfig(128, 64, stages=8, unroll=4)
+    return GluonConfig(64, 128, stages=6, unroll=2)
+
+
+@functools.cache
+def has_gluon() -> bool:
+    """True if the Gluon kernel can be built here (Triton >= 3.6 with Gluon's Hopper API)."""
+    try:
+        import jetrl.fp8.kernels.gemm_gluon  # noqa: F401
+    except Exception:  # noqa: BLE001 -- no Triton, or one without Gluon: the other backends take over
+        return False
+    return True
 
 
 def gemm_emulated(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype = torch.bfloat16,
@@ -124,6 +172,8 @@ def resolve_backend(device: torch.device | str) -> str:
             if env == "triton" and not has_triton():
                 raise ValueError("JETRL_GEMM_BACKEND=triton but Triton is not installed; pip install triton")
             env = env if env == "triton" else ("auto" if has_triton() else "scaled_mm")
+        if env == "gluon" and not has_gluon():
+            raise ValueError("JETRL_GEMM_BACKEND=gluon needs Triton >= 3.6 with Gluon (pip install 'triton>=3.6')")
         _resolved[key] = env or "emulated"
     return _resolved[key]
 

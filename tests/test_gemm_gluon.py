@@ -1,0 +1,80 @@
+"""The Gluon mid-M block-FP8 GEMM (jetrl/fp8/kernels/gemm_gluon.py) against its spec, ``gemm_emulated``.
+
+Gluon has no interpreter, so on CPU the kernel is compiled for sm_90 with Triton's bundled ptxas and
+its loop's SASS is checked for what makes it fast (two FP8 ``wgmma`` groups in flight, not
+serialized); on an SM90 GPU its results are checked against the emulation.
+"""
+
+import pytest
+import torch
+
+from .conftest import requires_sm90
+from jetrl.fp8.gemm import gemm_emulated
+from jetrl.fp8.quant import BLOCK, quantize
+
+pytest.importorskip("triton")
+gluon_gemm = pytest.importorskip("jetrl.fp8.kernels.gemm_gluon", reason="needs Triton with Gluon (>= 3.6)")
+
+REL_BOUND = 2e-3  # fp32 tensor-core sums within each 128-group, as cuBLAS's block-scaled path
+
+
+def _compile(cfg, m=256, n=4096, k=12288, col_major_scales=True):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from jetrl.bench.sass import compile_like_launch
+
+    def desc(rows, count):
+        t = torch.empty(count, k, dtype=torch.float8_e4m3fn)
+        layout = gl.NVMMASharedLayout.get_default_for([rows, BLOCK], gl.float8e4nv)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, BLOCK], layout)
+
+    f32 = torch.empty(1)
+    groups = k // BLOCK
+    args = {"a_desc": desc(cfg.block_m, m), "b_desc": desc(cfg.block_n, n), "sa_ptr": f32, "sb_ptr": f32,
+            "out_ptr": torch.empty(1, dtype=torch.bfloat16), "M": m, "N": n, "K": k,
+            "stride_sam": 1 if col_major_scales else groups, "stride_sak": m if col_major_scales else 1,
+            "stride_sbn": groups, "stride_om": n}
+    constexprs = {"STAGES": cfg.stages, "UNROLL": cfg.unroll, "num_warps": 4}
+    return compile_like_launch(gluon_gemm._gemm_kernel, args, constexprs, num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize("cfg", [gluon_gemm.GluonConfig(), gluon_gemm.GluonConfig(128, 128, 4),
+                                 gluon_gemm.GluonConfig(64, 64, 6)])
+def test_loop_keeps_two_wgmma_groups_in_flight(cfg):
+    """The consumer's loop issues both groups' QGMMAs, then waits for all but one group (DEPBAR 0x1),
+    then for none: ptxas did not serialize the wgmmas (it would put a wait behind every QGMMA)."""
+    from jetrl.bench.sass import sass
+
+    code = sass(_compile(cfg))
+    qgmma = code.count("QGMMA.64x")
+    assert qgmma >= 8, "expected 4 k32 QGMMAs per group, two groups per loop iteration"
+    assert code.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") >= 1, "no wait that leaves the second group in flight"
+    assert code.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") < qgmma // 4, "ptxas serialized the wgmma pipeline (C7514)"
+
+
+def test_rejects_k_not_a_multiple_of_256():
+    a = torch.zeros(4, 384, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        gluon_gemm.gemm_mid_m(a, torch.ones(4, 3), torch.zeros(128, 384, dtype=torch.float8_e4m3fn), torch.ones(1, 3))
+
+
+@requires_sm90
+@pytest.mark.parametrize("m,n,k", [(256, 4096, 4096), (200, 6144, 4096), (128, 384, 12288), (77, 320, 512),
+                                   (1, 128, 256), (300, 256, 1024)])
+@pytest.mark.parametrize("cfg", [gluon_gemm.GluonConfig(), gluon_gemm.GluonConfig(128, 128, 4),
+                                 gluon_gemm.GluonConfig(64, 64, 6)])
+@pytest.mark.parametrize("col_major", [True, False])
+def test_matches_emulation_on_gpu(m, n, k, cfg, col_major):
+    torch.manual_seed(m + n + k)
+    dev = torch.device("cuda")
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16) * torch.logspace(-2, 2, k, device=dev).to(torch.bfloat16)
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+    a, b = quantize(x, (1, BLOCK), col_major_scales=col_major), quantize(w, (BLOCK, BLOCK))
+    ref = gemm_emulated(a, b, torch.float32)
+    out = gluon_gemm.gemm_mid_m(a.codes, a.scales, b.codes, b.scales, config=cfg)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    assert torch.isfinite(out).all()
+    assert float((out.float() - ref).norm() / ref.norm()) < REL_BOUND
+    again = gluon_gemm.gemm_mid_m(a.codes, a.scales, b.codes, b.scales, config=cfg)
+    assert torch.equal(out, again), "not deterministic run to run"
