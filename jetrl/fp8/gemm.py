@@ -93,19 +93,21 @@ def choose_backend(m: int, b_block: tuple[int, int] = (BLOCK, BLOCK), n: int | N
 
     * M <= 32: the Triton small-M kernel (16- and 32-row tiles; Gluon's 64-row wgmma tile is 10-40%
       slower at M = 1 and 16);
-    * M <= 64: the Gluon kernel where its tiles (:func:`gluon_tiles`) fit in one wave of 132 SMs and K
-      is short (qkv, o), else Triton (gate_up has too many tiles; down's split-K streams its long K);
-    * M > 64: the Gluon kernel where its tiles fit in one wave (o, down at M = 256), else cuBLAS (qkv and
-      gate_up at M = 256: cuBLAS reaches 1.1 PFLOPS on gate_up, which neither kernel here does).
+    * M <= 64: the Gluon kernel (64 x 64 tiles, persistent) where K is short (qkv, o, gate_up), Triton's
+      split-K for a long K (down);
+    * M > 64: the Gluon kernel where its tiles fit in one wave of 132 SMs (qkv and o at M = 128, o and
+      down at M = 256), else cuBLAS (gate_up, and qkv at M = 256: cuBLAS reaches 1.1 PFLOPS on gate_up,
+      the Gluon kernel 0.92).
 
     Without n and k (or without Gluon) only M decides: Triton up to 64 rows, cuBLAS above.
     """
     if b_block != (BLOCK, BLOCK):
         return "scaled_mm"  # wgrad's 1x128 operands: cuBLAS only
     if n is not None and k is not None and m > GLUON_MIN_M and k % (2 * BLOCK) == 0 and has_gluon():
+        if m <= SMALL_M_MAX:
+            return "gluon" if k < LONG_K else "triton"
         tiles = gluon_tiles(m, n, k)
-        fits = -(-m // tiles.block_m) * -(-n // tiles.block_n) <= ONE_WAVE_CTAS
-        if fits and not (m <= SMALL_M_MAX and k >= LONG_K):
+        if -(-m // tiles.block_m) * -(-n // tiles.block_n) <= ONE_WAVE_CTAS:
             return "gluon"
     return "triton" if m <= SMALL_M_MAX else "scaled_mm"
 

@@ -1,4 +1,4 @@
-"""Mid-M (M = 65-256) W8A8 block-FP8 GEMM for Hopper in Gluon; its spec is :func:`jetrl.fp8.gemm.gemm_emulated`.
+"""Mid-M (M = 33-256) W8A8 block-FP8 GEMM for Hopper in Gluon; its spec is :func:`jetrl.fp8.gemm.gemm_emulated`.
 
 Why: at the rollout's batch (M = 256 rows against an 8B layer) cuBLAS's block-scaled kernel tiles
 the output 128 x 128, so o and down run 64 CTAs and qkv 96 on 132 SMs (docs/benchmarks.md (c):
@@ -12,8 +12,9 @@ sb[N/128, K/128]), as in gemm_triton.py:
 
     out[m, n] = sum_g  sa[m, g] * sb[n // 128, g] * P_g[m, n],   P_g = sum_{k in group g} a[m, k] b[n, k]
 
-Structure (one CTA per BLOCK_M x BLOCK_N output tile, BLOCK_N <= 128 so that a tile has one
-weight scale per group):
+Structure (persistent: min(tiles, SMs) CTAs, each taking BLOCK_M x BLOCK_N output tiles in turn,
+numbered M-first so that the CTAs sharing a weight tile run together; BLOCK_N <= 128 so that a tile
+has one weight scale per group):
 
 * a 1-warp **producer** partition streams the A and B tiles of each group into a ring of
   ``stages`` shared-memory slots with TMA (``ready`` barriers carry the byte counts; ``empty``
@@ -23,7 +24,10 @@ weight scale per group):
   it into the accumulator while the tensor cores run the second, then waits for and rescales the
   second. Pairs keep every in-flight accumulator inside one loop iteration: an in-flight ``wgmma``
   carried around the loop makes ptxas serialize all of them (C7514, "non wgmma instructions
-  reading accumulator registers"), which a one-group-at-a-time loop cannot avoid either.
+  reading accumulator registers"), which a one-group-at-a-time loop cannot avoid either. With
+  BLOCK_M = 128 the two consumer warpgroups are partitions of their own, so each waits only on its
+  own ``wgmma`` and one rescales while the other's run.
+* while a tile's output is stored, the producer already loads the next tile's groups.
 
 The products inside a group are exact and summed by the tensor cores in their fp32 (as cuBLAS's
 block-scaled path does, promoting every 128 of K), so results agree with the emulation to the same
@@ -36,6 +40,8 @@ with Triton's bundled ptxas and check the loop's SASS: see tests/test_gemm_gluon
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from triton.experimental import gluon
@@ -62,83 +68,102 @@ def supports(m: int, n: int, k: int) -> bool:
 
 
 @gluon.jit
-def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, num_k, STAGES: gl.constexpr):
-    for g in range(num_k):
-        s = g % STAGES
-        # a slot's first use passes at once: a fresh barrier counts as having completed phase "1"
-        mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(a_desc, [off_m, g * _G], ready.index(s), a_bufs.index(s))
-        tma.async_copy_global_to_shared(b_desc, [off_n, g * _G], ready.index(s), b_bufs.index(s))
+def _tile_origin(t, M, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Output tile t's first row and column. Tiles are numbered M-first, so the CTAs that share a weight
+    tile run side by side (one HBM read of it, the rest from L2)."""
+    m_tiles = gl.cdiv(M, BLOCK_M)
+    return (t % m_tiles) * BLOCK_M, (t // m_tiles) * BLOCK_N
 
 
 @gluon.jit
-def _issue(a_bufs, b_bufs, ready, g, tile, WG: gl.constexpr, STAGES: gl.constexpr):
-    """Start group g's FP8 wgmma for this warpgroup's 64 rows (async), overwriting ``tile`` (a retired
-    tile whose registers it reuses: use_acc=False ignores its values)."""
-    s = g % STAGES
-    mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_k,
+              STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    c = 0  # groups loaded so far: slot c % STAGES, its (c // STAGES)-th use
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m, off_n = _tile_origin(t, M, BLOCK_M, BLOCK_N)
+        for g in range(num_k):
+            s = c % STAGES
+            # a slot's first use passes at once: a fresh barrier counts as having completed phase "1"
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [off_m, g * _G], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [off_n, g * _G], ready.index(s), b_bufs.index(s))
+            c += 1
+
+
+@gluon.jit
+def _issue(a_bufs, b_bufs, ready, c, tile, WG: gl.constexpr, STAGES: gl.constexpr):
+    """Start the FP8 wgmma of the c-th loaded group for this warpgroup's 64 rows (async), overwriting
+    ``tile`` (a retired tile whose registers it reuses: use_acc=False ignores its values)."""
+    s = c % STAGES
+    mbarrier.wait(ready.index(s), (c // STAGES) & 1)
     a = a_bufs.index(s).slice(WG * 64, 64, dim=0)
     return warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), tile, use_acc=False, is_async=True)
 
 
 @gluon.jit
-def _retire(p, acc, empty, g, sa_rows, row_ok, sb_tile, stride_sak, OUTSTANDING: gl.constexpr,
+def _retire(p, acc, empty, c, g, sa_rows, row_ok, sb_tile, stride_sak, OUTSTANDING: gl.constexpr,
             STAGES: gl.constexpr):
-    """Wait for group g's tile (leaving OUTSTANDING later groups in flight), free its slot, rescale it into acc."""
+    """Wait for the c-th loaded group (group g of its tile), leaving OUTSTANDING later ones in flight,
+    free its slot, and rescale it into acc."""
     sa = gl.load(sa_rows + g * stride_sak, mask=row_ok, other=0.0)
     sb = gl.load(sb_tile + g)
     p = warpgroup_mma_wait(num_outstanding=OUTSTANDING, deps=(p,))
-    mbarrier.arrive(empty.index(g % STAGES), count=1)
+    mbarrier.arrive(empty.index(c % STAGES), count=1)
     return acc + p * (sa * sb)[:, None], p
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, off_m, off_n, M, N, num_k,
+def _consumer(a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, M, N, num_tiles, num_k,
               stride_sam, stride_sak, stride_sbn, stride_om,
-              WG: gl.constexpr, UNROLL: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
-    """One warpgroup: rows [off_m + 64 WG, + 64) of the tile, groups in runs of UNROLL (2 or 4).
+              WG: gl.constexpr, UNROLL: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr):
+    """One warpgroup: rows [64 WG, + 64) of each of the CTA's tiles, groups in runs of UNROLL (2 or 4).
 
     Within a run two tiles alternate: group j+1's wgmma runs while group j is rescaled, so only the
     run's last rescale leaves the tensor cores to the other warpgroup; no wgmma is in flight across
-    the loop's back edge (ptxas would serialize them all).
+    the loop's back edge (ptxas would serialize them all). While a tile's output is stored, the
+    producer already loads the next tile's groups.
     """
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, BLOCK_N, 32])
-    rows = off_m + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-    row_ok = rows < M
-    sa_rows = sa_ptr + rows * stride_sam
-    sb_tile = sb_ptr + (off_n // _G) * stride_sbn
-    acc = gl.zeros([64, BLOCK_N], gl.float32, layout)
     ta = gl.zeros([64, BLOCK_N], gl.float32, layout)
     tb = gl.zeros([64, BLOCK_N], gl.float32, layout)
-    for g in range(0, num_k, UNROLL):
-        pa = _issue(a_bufs, b_bufs, ready, g, ta, WG, STAGES)
-        pb = _issue(a_bufs, b_bufs, ready, g + 1, tb, WG, STAGES)
-        if UNROLL == 4:
-            acc, ta = _retire(pa, acc, empty, g, sa_rows, row_ok, sb_tile, stride_sak, 1, STAGES)
-            pa = _issue(a_bufs, b_bufs, ready, g + 2, ta, WG, STAGES)
-            acc, tb = _retire(pb, acc, empty, g + 1, sa_rows, row_ok, sb_tile, stride_sak, 1, STAGES)
-            pb = _issue(a_bufs, b_bufs, ready, g + 3, tb, WG, STAGES)
-            acc, ta = _retire(pa, acc, empty, g + 2, sa_rows, row_ok, sb_tile, stride_sak, 1, STAGES)
-            acc, tb = _retire(pb, acc, empty, g + 3, sa_rows, row_ok, sb_tile, stride_sak, 0, STAGES)
-        else:
-            acc, ta = _retire(pa, acc, empty, g, sa_rows, row_ok, sb_tile, stride_sak, 1, STAGES)
-            acc, tb = _retire(pb, acc, empty, g + 1, sa_rows, row_ok, sb_tile, stride_sak, 0, STAGES)
-    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    out = out_ptr + rows[:, None] * stride_om + cols[None, :]
-    gl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < N)[None, :])
+    c = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m, off_n = _tile_origin(t, M, BLOCK_M, BLOCK_N)
+        rows = off_m + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+        row_ok = rows < M
+        sa_rows = sa_ptr + rows * stride_sam
+        sb_tile = sb_ptr + (off_n // _G) * stride_sbn
+        acc = gl.zeros([64, BLOCK_N], gl.float32, layout)
+        for g in range(0, num_k, UNROLL):
+            pa = _issue(a_bufs, b_bufs, ready, c, ta, WG, STAGES)
+            pb = _issue(a_bufs, b_bufs, ready, c + 1, tb, WG, STAGES)
+            if UNROLL == 4:
+                acc, ta = _retire(pa, acc, empty, c, g, sa_rows, row_ok, sb_tile, stride_sak, 1, STAGES)
+                pa = _issue(a_bufs, b_bufs, ready, c + 2, ta, WG, STAGES)
+                acc, tb = _retire(pb, acc, empty, c + 1, g + 1, sa_rows, row_ok, sb_tile, stride_sak, 1, STAGES)
+                pb = _issue(a_bufs, b_bufs, ready, c + 3, tb, WG, STAGES)
+                acc, ta = _retire(pa, acc, empty, c + 2, g + 2, sa_rows, row_ok, sb_tile, stride_sak, 1, STAGES)
+                acc, tb = _retire(pb, acc, empty, c + 3, g + 3, sa_rows, row_ok, sb_tile, stride_sak, 0, STAGES)
+            else:
+                acc, ta = _retire(pa, acc, empty, c, g, sa_rows, row_ok, sb_tile, stride_sak, 1, STAGES)
+                acc, tb = _retire(pb, acc, empty, c + 1, g + 1, sa_rows, row_ok, sb_tile, stride_sak, 0, STAGES)
+            c += UNROLL
+        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        out = out_ptr + rows[:, None] * stride_om + cols[None, :]
+        gl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < N)[None, :])
 
 
 @gluon.jit
 def _gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, out_ptr, M, N, K, stride_sam, stride_sak, stride_sbn, stride_om,
                  STAGES: gl.constexpr, UNROLL: gl.constexpr, num_warps: gl.constexpr):
+    """Persistent: CTA i computes tiles i, i + grid, i + 2 grid, ... (one tile each when they fit one wave)."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     WARPGROUPS: gl.constexpr = BLOCK_M // 64
-    # program_id(0) walks M first: the CTAs that share a weight tile run side by side (one HBM read)
-    off_m = gl.program_id(0) * BLOCK_M
-    off_n = gl.program_id(1) * BLOCK_N
+    num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
     num_k = gl.cdiv(K, _G)
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, _G], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, _G], b_desc.layout)
@@ -149,21 +174,28 @@ def _gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, out_ptr, M, N, K, stride_sam, s
         mbarrier.init(empty.index(i), count=WARPGROUPS)  # a slot is free once every warpgroup is done with it
     if WARPGROUPS == 2:  # two consumer partitions: each waits on its own wgmma, so they interleave
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, off_m, off_n, M, N, num_k,
-                         stride_sam, stride_sak, stride_sbn, stride_om, 0, UNROLL, STAGES, BLOCK_N)),
-            (_consumer, (a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, off_m, off_n, M, N, num_k,
-                         stride_sam, stride_sak, stride_sbn, stride_om, 1, UNROLL, STAGES, BLOCK_N)),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, num_k, STAGES)),
+            (_consumer, (a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, M, N, num_tiles, num_k,
+                         stride_sam, stride_sak, stride_sbn, stride_om, 0, UNROLL, STAGES, BLOCK_M, BLOCK_N)),
+            (_consumer, (a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, M, N, num_tiles, num_k,
+                         stride_sam, stride_sak, stride_sbn, stride_om, 1, UNROLL, STAGES, BLOCK_M, BLOCK_N)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_k, STAGES, BLOCK_M,
+                         BLOCK_N)),
         ], [4, 1], [224, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, off_m, off_n, M, N, num_k,
-                         stride_sam, stride_sak, stride_sbn, stride_om, 0, UNROLL, STAGES, BLOCK_N)),
-            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, off_m, off_n, num_k, STAGES)),
+            (_consumer, (a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, M, N, num_tiles, num_k,
+                         stride_sam, stride_sak, stride_sbn, stride_om, 0, UNROLL, STAGES, BLOCK_M, BLOCK_N)),
+            (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_k, STAGES, BLOCK_M,
+                         BLOCK_N)),
         ], [1], [24])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def descriptors(a_codes: torch.Tensor, b_codes: torch.Tensor, cfg: GluonConfig) -> tuple:
@@ -189,7 +221,8 @@ def gemm_mid_m(a_codes: torch.Tensor, a_scales: torch.Tensor, b_codes: torch.Ten
     assert GROUP % cfg.block_n == 0 and cfg.block_m in (64, 128), cfg
     a_desc, b_desc = descriptors(a_codes, b_codes, cfg)
     out = torch.empty((m, n), dtype=out_dtype, device=a_codes.device)
-    grid = (-(-m // cfg.block_m), -(-n // cfg.block_n))
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    grid = (min(tiles, _sm_count(a_codes.device)),)
     unroll = cfg.unroll if k % (cfg.unroll * GROUP) == 0 else 2
     _gemm_kernel[grid](a_desc, b_desc, a_scales, b_scales, out, m, n, k, a_scales.stride(0), a_scales.stride(1),
                        b_scales.stride(0), out.stride(0), STAGES=cfg.stages, UNROLL=unroll, num_warps=4)
