@@ -59,6 +59,24 @@ def test_rejects_k_not_a_multiple_of_256():
         gluon_gemm.gemm_mid_m(a, torch.ones(4, 3), torch.zeros(128, 384, dtype=torch.float8_e4m3fn), torch.ones(1, 3))
 
 
+def test_misaligned_codes_are_an_actionable_error_and_the_dispatcher_routes_around_them():
+    from jetrl.fp8.gemm import _gluon_takes
+
+    view = torch.zeros(8, 512 + 16, dtype=torch.float8_e4m3fn)[:, 16:]  # rows 528 B apart, base 16 B in: fine
+    rows = torch.zeros(8, 520, dtype=torch.float8_e4m3fn)[:, :512]  # rows 520 B apart: not a multiple of 16
+    odd = torch.zeros(8 * 528 + 8, dtype=torch.float8_e4m3fn)[8:].view(8, 528)[:, :512]  # base 8 B off
+    w = quantize(torch.randn(128, 512) * 0.02, (BLOCK, BLOCK))
+    a = quantize(torch.randn(8, 512))
+    assert _gluon_takes(a, w)
+    assert _gluon_takes(type(a)(view, a.scales, a.block), w)
+    assert not _gluon_takes(type(a)(rows, a.scales, a.block), w)
+    assert not _gluon_takes(type(a)(odd, a.scales, a.block), w)
+    with pytest.raises(ValueError, match="16-byte"):
+        gluon_gemm.gemm_mid_m(odd, a.scales, w.codes, w.scales)
+    with pytest.raises(ValueError, match="stages"):
+        gluon_gemm.GluonConfig(64, 128, stages=20)
+
+
 @requires_sm90
 @pytest.mark.parametrize("m,n,k", [(256, 4096, 4096), (200, 6144, 4096), (128, 384, 12288), (77, 320, 512),
                                    (1, 128, 256), (300, 256, 1024)])

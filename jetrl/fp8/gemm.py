@@ -72,7 +72,9 @@ def fp8_gemm(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype = torch.bf
     m, n, k = a.shape[0], b.shape[0], a.shape[1]
     if backend == "auto":
         backend = choose_backend(m, b.block, n, k)
-    if backend == "gluon" and b.block == (BLOCK, BLOCK) and k % (2 * BLOCK) == 0:
+    if backend == "gluon" and not _gluon_takes(a, b):
+        backend = "triton" if m <= SMALL_M_MAX else "scaled_mm"  # e.g. a misaligned view: no TMA descriptor
+    if backend == "gluon":
         from jetrl.fp8.kernels.gemm_gluon import gemm_mid_m
 
         return gemm_mid_m(a.codes, a.scales, b.codes, b.scales, out_dtype, gluon_tiles(m, n, k))
@@ -208,6 +210,16 @@ def _check_operands(a: Float8Blocks, b: Float8Blocks) -> None:
         )
     if a.codes.device != b.codes.device:
         raise ValueError(f"fp8_gemm: operands on different devices ({a.codes.device} vs {b.codes.device})")
+
+
+def _gluon_takes(a: Float8Blocks, b: Float8Blocks) -> bool:
+    """The Gluon kernel's operand contract: a 128x128-block weight, K a multiple of 256, and codes that TMA
+    can read (unit column stride, 16-byte aligned base and rows)."""
+    def tma_ready(t: torch.Tensor) -> bool:
+        return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0
+
+    return (b.block == (BLOCK, BLOCK) and a.shape[1] % (2 * BLOCK) == 0 and tma_ready(a.codes)
+            and tma_ready(b.codes))
 
 
 def _pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

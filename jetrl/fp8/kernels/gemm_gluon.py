@@ -19,14 +19,13 @@ has one weight scale per group):
 * a 1-warp **producer** partition streams the A and B tiles of each group into a ring of
   ``stages`` shared-memory slots with TMA (``ready`` barriers carry the byte counts; ``empty``
   barriers hand slots back);
-* the **consumer** (the default partition, one or two warpgroups) takes groups in pairs: it issues
-  the two groups' FP8 ``wgmma`` (each into a fresh fp32 tile P), waits for the first only, rescales
-  it into the accumulator while the tensor cores run the second, then waits for and rescales the
-  second. Pairs keep every in-flight accumulator inside one loop iteration: an in-flight ``wgmma``
-  carried around the loop makes ptxas serialize all of them (C7514, "non wgmma instructions
-  reading accumulator registers"), which a one-group-at-a-time loop cannot avoid either. With
-  BLOCK_M = 128 the two consumer warpgroups are partitions of their own, so each waits only on its
-  own ``wgmma`` and one rescales while the other's run.
+* each **consumer** warpgroup (64 rows of the tile; one, or two in partitions of their own) takes
+  groups in runs of 2 or 4, alternating two fp32 tiles P: it issues the next group's FP8 ``wgmma``,
+  waits for the previous group only, and rescales that one into the accumulator while the tensor
+  cores run the next. A run leaves nothing in flight at the loop's back edge: an in-flight ``wgmma``
+  carried around the loop makes ptxas serialize all of them (C7514, "non wgmma instructions reading
+  accumulator registers"). With two consumer partitions each waits only on its own ``wgmma``, so one
+  rescales while the other's run.
 * while a tile's output is stored, the producer already loads the next tile's groups.
 
 The products inside a group are exact and summed by the tensor cores in their fp32 (as cuBLAS's
@@ -63,7 +62,7 @@ def gluon_config(m: int, n: int, k: int) -> GluonConfig:
 
 
 def supports(m: int, n: int, k: int) -> bool:
-    """Shapes this kernel computes: K a multiple of 256, 16-byte-aligned rows (TMA)."""
+    """Shapes this kernel computes: K a multiple of 256 (groups come in pairs)."""
     return m >= 1 and n >= 1 and k % (2 * GROUP) == 0
 
 
@@ -214,11 +213,14 @@ def gemm_mid_m(a_codes: torch.Tensor, a_scales: torch.Tensor, b_codes: torch.Ten
     n = b_codes.shape[0]
     if not supports(m, n, k):
         raise ValueError(f"gemm_mid_m: K must be a multiple of {2 * GROUP}, got an ({m}, {k}) x ({n}, {k}) GEMM")
-    assert b_codes.shape[1] == k and a_codes.stride(1) == 1 and b_codes.stride(1) == 1, (a_codes.shape, b_codes.shape)
+    assert b_codes.shape[1] == k, (a_codes.shape, b_codes.shape)
+    for name, t in (("a", a_codes), ("b", b_codes)):
+        if t.stride(1) != 1 or t.data_ptr() % 16 or t.stride(0) % 16:
+            raise ValueError(f"gemm_mid_m: TMA reads {name}'s codes: they need unit column stride and a 16-byte "
+                             f"aligned base and row stride (got strides {tuple(t.stride())}); pass .contiguous() codes")
     assert a_scales.shape == (m, k // GROUP) and b_scales.shape == (-(-n // GROUP), k // GROUP)
     assert b_scales.stride(1) == 1
     cfg = config or gluon_config(m, n, k)
-    assert GROUP % cfg.block_n == 0 and cfg.block_m in (64, 128), cfg
     a_desc, b_desc = descriptors(a_codes, b_codes, cfg)
     out = torch.empty((m, n), dtype=out_dtype, device=a_codes.device)
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
