@@ -19,8 +19,9 @@ from jetrl.bench.kernels import rotating_weights, taking_turns
 from jetrl.bench.shapes import h200_config
 from jetrl.bench.timing import graph_time_us
 from jetrl.fp8.gemm import _scaled_mm, gemm_emulated
-from jetrl.fp8.kernels.gemm_gluon import GluonConfig, gemm_mid_m
+from jetrl.fp8.kernels.gemm_gluon import gemm_mid_m
 from jetrl.fp8.kernels.gemm_triton import gemm_small_m
+from jetrl.fp8.kernels.gluon_tiles import GluonConfig
 from jetrl.fp8.quant import BLOCK, quantize
 
 DEV = torch.device("cuda")
@@ -28,7 +29,7 @@ REL_BOUND = 2e-3
 
 
 def configs() -> list[GluonConfig]:
-    text = os.environ.get("SWEEP_CONFIGS", "64/128/4/2,64/128/6/2,128/128/4/2,128/128/4/4,64/128/6/4,64/64/6/4,128/64/6/4,128/64/8/4")
+    text = os.environ.get("SWEEP_CONFIGS", "64/128/6/2,128/128/4/2,128/128/6/2,128/64/8/4,64/64/6/4,128/64/6/4")
     return [GluonConfig(*(int(v) for v in c.split("/"))) for c in text.split(",")]
 
 

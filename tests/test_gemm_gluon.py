@@ -59,7 +59,8 @@ def test_rejects_k_not_a_multiple_of_256():
         gluon_gemm.gemm_mid_m(a, torch.ones(4, 3), torch.zeros(128, 384, dtype=torch.float8_e4m3fn), torch.ones(1, 3))
 
 
-def test_misaligned_codes_are_an_actionable_error_and_the_dispatcher_routes_around_them():
+def test_misaligned_codes_are_an_actionable_error_and_the_dispatcher_routes_around_them(monkeypatch):
+    import jetrl.fp8.gemm as gemm
     from jetrl.fp8.gemm import _gluon_takes
 
     view = torch.zeros(8, 512 + 16, dtype=torch.float8_e4m3fn)[:, 16:]  # rows 528 B apart, base 16 B in: fine
@@ -67,6 +68,8 @@ def test_misaligned_codes_are_an_actionable_error_and_the_dispatcher_routes_arou
     odd = torch.zeros(8 * 528 + 8, dtype=torch.float8_e4m3fn)[8:].view(8, 528)[:, :512]  # base 8 B off
     w = quantize(torch.randn(128, 512) * 0.02, (BLOCK, BLOCK))
     a = quantize(torch.randn(8, 512))
+    assert not _gluon_takes(a, w)  # not a Hopper GPU (here: the CPU)
+    monkeypatch.setattr(gemm, "_is_sm90", lambda device: True)
     assert _gluon_takes(a, w)
     assert _gluon_takes(type(a)(view, a.scales, a.block), w)
     assert not _gluon_takes(type(a)(rows, a.scales, a.block), w)

@@ -213,13 +213,19 @@ def _check_operands(a: Float8Blocks, b: Float8Blocks) -> None:
 
 
 def _gluon_takes(a: Float8Blocks, b: Float8Blocks) -> bool:
-    """The Gluon kernel's operand contract: a 128x128-block weight, K a multiple of 256, and codes that TMA
-    can read (unit column stride, 16-byte aligned base and rows)."""
+    """The Gluon kernel's contract: a Hopper GPU (``wgmma`` is SM90 only: a later GPU takes the other
+    kernels), a 128x128-block weight, K a multiple of 256, and codes that TMA can read (unit column
+    stride, 16-byte aligned base and rows)."""
     def tma_ready(t: torch.Tensor) -> bool:
         return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0
 
-    return (b.block == (BLOCK, BLOCK) and a.shape[1] % (2 * BLOCK) == 0 and tma_ready(a.codes)
-            and tma_ready(b.codes))
+    return (_is_sm90(a.codes.device) and b.block == (BLOCK, BLOCK) and a.shape[1] % (2 * BLOCK) == 0
+            and tma_ready(a.codes) and tma_ready(b.codes))
+
+
+@functools.cache
+def _is_sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
 def _pad(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
