@@ -77,7 +77,8 @@ def main() -> None:
     print(f"\n{'gemm':8} {'M':>4} {'bf16':>7} {'cublas':>7} {'triton':>7} " + " ".join(k.rjust(12) for k in keys))
     for r in results:
         cells = " ".join(f"{r[k + '_us']:12.1f}" if r.get(k + "_us") else f"{'-':>12}" for k in keys)
-        print(f"{r['gemm']:8} {r['M']:4d} {r['bf16_us']:7.1f} {r['cublas_us']:7.1f} {r.get('triton_us', 0):7.1f} {cells}")
+        base = f"{r['bf16_us']:7.1f} {r['cublas_us']:7.1f} {r.get('triton_us', 0):7.1f}"
+        print(f"{r['gemm']:8} {r['M']:4d} {base} {cells}")
     for m in rows:
         of_m = [r for r in results if r["M"] == m]
 
