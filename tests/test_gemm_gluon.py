@@ -99,3 +99,20 @@ def test_matches_emulation_on_gpu(m, n, k, cfg, col_major):
     assert float((out.float() - ref).norm() / ref.norm()) < REL_BOUND
     again = gluon_gemm.gemm_mid_m(a.codes, a.scales, b.codes, b.scales, config=cfg)
     assert torch.equal(out, again), "not deterministic run to run"
+
+
+@requires_sm90
+def test_fp8_gemm_dispatches_mid_m_shapes_to_the_gluon_kernel(monkeypatch):
+    """On an H200, o_proj at the rollout's M = 256 goes to Gluon (the rule), and its result is the kernel's."""
+    import jetrl.fp8.gemm as gemm
+    from jetrl.fp8 import fp8_gemm
+
+    calls = []
+    real = gluon_gemm.gemm_mid_m
+    monkeypatch.setattr(gluon_gemm, "gemm_mid_m", lambda *a, **k: calls.append(1) or real(*a, **k))
+    a = quantize(torch.randn(256, 4096, device="cuda"))
+    b = quantize(torch.randn(4096, 4096, device="cuda") * 0.02, (BLOCK, BLOCK))
+    assert gemm.choose_backend(256, b.block, 4096, 4096) == "gluon"
+    out = fp8_gemm(a, b)
+    assert calls, "fp8_gemm did not take the Gluon kernel"
+    assert torch.equal(out, real(a.codes, a.scales, b.codes, b.scales, config=gemm.gluon_tiles(256, 4096, 4096)))
