@@ -53,6 +53,20 @@ def test_loop_keeps_two_wgmma_groups_in_flight(cfg):
     assert code.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") < qgmma // 4, "ptxas serialized the wgmma pipeline (C7514)"
 
 
+def test_an_older_triton_leaves_the_gluon_kernel_out(monkeypatch):
+    import triton
+
+    import jetrl.fp8.gemm as gemm
+
+    gemm.has_gluon.cache_clear()
+    monkeypatch.setattr(triton, "__version__", "3.5.1")
+    try:
+        assert not gemm.has_gluon()
+        assert gemm.choose_backend(256, (BLOCK, BLOCK), 4096, 4096) == "scaled_mm"
+    finally:
+        gemm.has_gluon.cache_clear()
+
+
 def test_rejects_k_not_a_multiple_of_256():
     a = torch.zeros(4, 384, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="multiple of 256"):

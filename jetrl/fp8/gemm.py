@@ -126,10 +126,18 @@ def gluon_tiles(m: int, n: int, k: int):
     return GluonConfig(64, 128, stages=6, unroll=2)
 
 
+GLUON_MIN_TRITON = (3, 6)  # the Gluon API the kernel is written against (warp_specialize's signature changed)
+
+
 @functools.cache
 def has_gluon() -> bool:
-    """True if the Gluon kernel can be built here (Triton >= 3.6 with Gluon's Hopper API)."""
+    """True if the Gluon kernel can be built here: Triton >= 3.6 with Gluon's Hopper API. With an older
+    Triton (its experimental Gluon API differs) the Triton and cuBLAS kernels take every shape."""
     try:
+        import triton
+
+        if tuple(int(p) for p in triton.__version__.split(".")[:2]) < GLUON_MIN_TRITON:
+            return False
         import jetrl.fp8.kernels.gemm_gluon  # noqa: F401
     except Exception:  # noqa: BLE001 -- no Triton, or one without Gluon: the other backends take over
         return False
