@@ -34,8 +34,9 @@ overridable (``override_backend``, or the ``JETRL_GEMM_BACKEND`` environment var
 
 Per-shape dispatch on SM90 (:func:`choose_backend`) is a fixed rule of the shape -- never a
 timing taken at run time -- so a given shape always runs the same kernel with the same
-summation order and results are reproducible. The thresholds come from ``jetrl bench``
-section (c) on an H200 (docs/benchmarks.md). BF16 is not a candidate: a BF16 GEMM would
+summation order and results are reproducible (the one exception: codes TMA cannot read, a
+misaligned view, leave the Gluon kernel for the next choice). The thresholds come from ``jetrl
+bench`` section (c) and bench/sweep_gemm_gluon.py on an H200 (docs/benchmarks.md). BF16 is not a candidate: a BF16 GEMM would
 not compute the quantized graph, and the rollout would leave the trainer's precision flow.
 """
 
@@ -222,13 +223,10 @@ def _check_operands(a: Float8Blocks, b: Float8Blocks) -> None:
 
 def _gluon_takes(a: Float8Blocks, b: Float8Blocks) -> bool:
     """The Gluon kernel's contract: a Hopper GPU (``wgmma`` is SM90 only: a later GPU takes the other
-    kernels), a 128x128-block weight, K a multiple of 256, and codes that TMA can read (unit column
-    stride, 16-byte aligned base and rows)."""
-    def tma_ready(t: torch.Tensor) -> bool:
-        return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0
+    kernels), a 128x128-block weight, and codes it can read (gluon_tiles.operand_problem)."""
+    from jetrl.fp8.kernels.gluon_tiles import operand_problem
 
-    return (_is_sm90(a.codes.device) and b.block == (BLOCK, BLOCK) and a.shape[1] % (2 * BLOCK) == 0
-            and tma_ready(a.codes) and tma_ready(b.codes))
+    return _is_sm90(a.codes.device) and b.block == (BLOCK, BLOCK) and operand_problem(a.codes, b.codes) is None
 
 
 @functools.cache

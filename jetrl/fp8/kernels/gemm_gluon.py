@@ -30,9 +30,9 @@ has one weight scale per group):
 
 The products inside a group are exact and summed by the tensor cores in their fp32 (as cuBLAS's
 block-scaled path does, promoting every 128 of K), so results agree with the emulation to the same
-~1e-3 relative, not bitwise. K must be a multiple of 256 (pairs of groups): :func:`supports` says
-which shapes this kernel takes; the dispatcher in gemm.py sends the rest elsewhere. Tiles are a
-function of the shape only (:func:`gluon_config`), so a shape always sums in the same order.
+~1e-3 relative, not bitwise. K must be a multiple of 256 (pairs of groups) and TMA must be able to
+read the codes (gluon_tiles.operand_problem); the dispatcher in gemm.py sends the rest elsewhere. Tiles are a
+function of the shape only (``gluon_tiles`` in gemm.py), so a shape always sums in the same order.
 
 Needs Triton >= 3.6 with Gluon and an SM90 GPU; imported lazily (CPU tests compile it for sm_90
 with Triton's bundled ptxas and check the loop's SASS: see tests/test_gemm_gluon.py).
@@ -48,22 +48,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from jetrl.fp8.kernels.gluon_tiles import GluonConfig
+from jetrl.fp8.kernels.gluon_tiles import GROUP, GluonConfig, operand_problem
 
-GROUP = 128  # K per scale group (host side)
 _G = gl.constexpr(GROUP)  # the same inside kernels
-
-
-def gluon_config(m: int, n: int, k: int) -> GluonConfig:
-    """The tiles for an (m, n, k) GEMM: the dispatcher's rule (gemm.py), a pure function of the shape."""
-    from jetrl.fp8.gemm import gluon_tiles
-
-    return gluon_tiles(m, n, k)
-
-
-def supports(m: int, n: int, k: int) -> bool:
-    """Shapes this kernel computes: K a multiple of 256 (groups come in pairs)."""
-    return m >= 1 and n >= 1 and k % (2 * GROUP) == 0
 
 
 @gluon.jit
@@ -211,16 +198,17 @@ def gemm_mid_m(a_codes: torch.Tensor, a_scales: torch.Tensor, b_codes: torch.Ten
     """out[M, N] = deq(a) @ deq(b)^T for a (M, K) 1x128 and b (N, K) 128x128 (row-major codes), K % 256 == 0."""
     m, k = a_codes.shape
     n = b_codes.shape[0]
-    if not supports(m, n, k):
-        raise ValueError(f"gemm_mid_m: K must be a multiple of {2 * GROUP}, got an ({m}, {k}) x ({n}, {k}) GEMM")
     assert b_codes.shape[1] == k, (a_codes.shape, b_codes.shape)
-    for name, t in (("a", a_codes), ("b", b_codes)):
-        if t.stride(1) != 1 or t.data_ptr() % 16 or t.stride(0) % 16:
-            raise ValueError(f"gemm_mid_m: TMA reads {name}'s codes: they need unit column stride and a 16-byte "
-                             f"aligned base and row stride (got strides {tuple(t.stride())}); pass .contiguous() codes")
+    problem = operand_problem(a_codes, b_codes)
+    if problem:
+        raise ValueError(f"gemm_mid_m: {problem}")
     assert a_scales.shape == (m, k // GROUP) and b_scales.shape == (-(-n // GROUP), k // GROUP)
     assert b_scales.stride(1) == 1
-    cfg = config or gluon_config(m, n, k)
+    if config is None:  # the dispatcher's tiles for this shape
+        from jetrl.fp8.gemm import gluon_tiles
+
+        config = gluon_tiles(m, n, k)
+    cfg = config
     a_desc, b_desc = descriptors(a_codes, b_codes, cfg)
     out = torch.empty((m, n), dtype=out_dtype, device=a_codes.device)
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)

@@ -1,12 +1,17 @@
-"""Tile configuration of the Gluon block-FP8 GEMM (kernels/gemm_gluon.py), importable without Triton.
+"""Tile configuration and operand contract of the Gluon block-FP8 GEMM (kernels/gemm_gluon.py),
+importable without Triton.
 
-The dispatcher (jetrl/fp8/gemm.py) picks a configuration per shape on any machine; only the kernel
-module needs Triton with Gluon.
+The dispatcher (jetrl/fp8/gemm.py) picks a configuration per shape and checks the operands on any
+machine; only the kernel module needs Triton with Gluon.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
+
+GROUP = 128  # K per scale group
 
 
 @dataclass(frozen=True)
@@ -29,3 +34,16 @@ class GluonConfig:
             raise ValueError(f"GluonConfig: block_m and block_n must be 64 or 128 and unroll 2 or 4, got {self}")
         if not 2 <= self.stages <= 12:
             raise ValueError(f"GluonConfig: stages must be in [2, 12], got {self.stages}")
+
+
+def operand_problem(a_codes: torch.Tensor, b_codes: torch.Tensor) -> str | None:
+    """Why the kernel cannot take these (M, K) and (N, K) codes, or None: K must be a multiple of 256
+    (groups come in pairs) and TMA must read both (unit column stride, 16-byte aligned base and rows)."""
+    k = a_codes.shape[1]
+    if k % (2 * GROUP):
+        return f"K must be a multiple of {2 * GROUP}, got an {tuple(a_codes.shape)} x {tuple(b_codes.shape)} GEMM"
+    for name, t in (("a", a_codes), ("b", b_codes)):
+        if t.stride(1) != 1 or t.data_ptr() % 16 or t.stride(0) % 16:
+            return (f"TMA reads {name}'s codes: they need unit column stride and a 16-byte aligned base and row "
+                    f"stride (got strides {tuple(t.stride())}); pass .contiguous() codes")
+    return None
