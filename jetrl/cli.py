@@ -159,11 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = [*args.overrides, *extra]
     from jetrl.rewards import RewardError
+    from jetrl.rl.memory import StepOutOfMemoryError
     from jetrl.rl.trainer import NonFiniteStepError
 
     try:
         return COMMANDS[args.command](args)
-    except (ValueError, TypeError, OSError, RewardError, NonFiniteStepError) as err:
+    except (ValueError, TypeError, OSError, RewardError, NonFiniteStepError, StepOutOfMemoryError) as err:
         print(f"jetrl {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -109,6 +109,26 @@ def test_bad_sections_is_a_user_error(capsys):
     assert "--sections" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, words", [(["--micro-batch", "3"], "--micro-batch=3 must divide"),
+                                          (["--micro-batch", "0"], "--micro-batch=0 must be >= 1"),
+                                          (["--train-layers", "0"], "--train-layers=0 must be >= 1")])
+def test_bad_sizes_are_user_errors(flags, words, tmp_path, capsys):
+    assert main(["bench", "--smoke", "--sections", "f", "--out", str(tmp_path), *flags]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_micro_batch_reaches_the_config():
+    import argparse
+
+    from jetrl.bench.cli import add_arguments, command_line
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--sections", "f,g", "--train-layers", "36", "--micro-batch", "4"])
+    assert "--train-layers 36 --micro-batch 4" in command_line(args, "fg")  # the children's argv
+    assert h200_config(train_layers=36, micro_batch=4).micro_batch == 4
+
+
 def test_recipes_switch_in_place_on_shared_parameters():
     cfg = smoke_config()
     model = random_model(cfg.model_config(1), torch.device("cpu"), torch.bfloat16)

@@ -40,7 +40,7 @@ def _compile(cfg, m=256, n=4096, k=12288, col_major_scales=True):
 
 
 @pytest.mark.parametrize("cfg", [gluon_gemm.GluonConfig(), gluon_gemm.GluonConfig(128, 128, 4),
-                                 gluon_gemm.GluonConfig(64, 64, 6)])
+                                 gluon_gemm.GluonConfig(64, 64, 6), gluon_gemm.GluonConfig(64, 32, 8, 4)])
 def test_loop_keeps_two_wgmma_groups_in_flight(cfg):
     """The consumer's loop issues both groups' QGMMAs, then waits for all but one group (DEPBAR 0x1),
     then for none: ptxas did not serialize the wgmmas (it would put a wait behind every QGMMA)."""
@@ -98,7 +98,7 @@ def test_misaligned_codes_are_an_actionable_error_and_the_dispatcher_routes_arou
 @pytest.mark.parametrize("m,n,k", [(256, 4096, 4096), (200, 6144, 4096), (128, 384, 12288), (77, 320, 512),
                                    (1, 128, 256), (300, 256, 1024)])
 @pytest.mark.parametrize("cfg", [gluon_gemm.GluonConfig(), gluon_gemm.GluonConfig(128, 128, 4),
-                                 gluon_gemm.GluonConfig(64, 64, 6)])
+                                 gluon_gemm.GluonConfig(64, 64, 6), gluon_gemm.GluonConfig(64, 32, 8, 4)])
 @pytest.mark.parametrize("col_major", [True, False])
 def test_matches_emulation_on_gpu(m, n, k, cfg, col_major):
     torch.manual_seed(m + n + k)

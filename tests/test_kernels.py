@@ -107,6 +107,48 @@ def test_dual_quant_and_small_m_gemm_match_references_in_interpreter():
     assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr[-3000:]
 
 
+FAKE_QUANT_KV_SCRIPT = r"""
+import torch
+from jetrl.fp8.kernels.quant_triton import quantize_dequantize_triton
+from jetrl.fp8.kv_quant import dequantize_kv
+from jetrl.fp8.quant import quantize_reference
+
+torch.manual_seed(0)
+def bits(t):
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+# deq(q(x)) per head vector == the reference's codes and scales decoded, bit for bit, in x's own layout:
+# the trainer's K (B, H, T, D) contiguous, its V a (B, T, H, D) tensor seen transposed; 2-D and 3-D too
+cases = [(torch.randn(2, 5, 3, 128).transpose(1, 2), torch.bfloat16, True), (torch.randn(2, 3, 7, 64), torch.float32, False),
+         (torch.randn(40, 16), torch.float16, True), (torch.randn(3, 9, 128), torch.bfloat16, False)]
+for x, dtype, pow2 in cases:
+    x = (x * torch.exp(2 * torch.randn(x.shape))).to(dtype)
+    x[(0,) * (x.dim() - 1)][1] = float("nan")
+    x[(-1,) * (x.dim() - 1)][2] = float("-inf")
+    d = x.shape[-1]
+    ref_codes, ref_scales = quantize_reference(x.reshape(-1, d), 1, d, pow2)
+    want = dequantize_kv(ref_codes.view(x.shape), ref_scales.view(x.shape[:-1]), dtype)
+    for with_codes in (False, True):
+        out, codes, scales = quantize_dequantize_triton(x, pow2, with_codes=with_codes)
+        assert out.dtype == dtype and out.shape == x.shape and out.stride() == x.stride(), (out.stride(), x.stride())
+        nan = want.isnan()  # a group holding NaN/Inf decodes to NaN (whose payload bits are the platform's)
+        assert torch.equal(out.isnan(), nan) and nan.any(), (x.shape, dtype)
+        assert torch.equal(bits(out)[~nan], bits(want)[~nan]), (x.shape, dtype, pow2)
+        if with_codes:
+            assert torch.equal(bits(codes), bits(ref_codes)) and torch.equal(bits(scales), bits(ref_scales))
+        else:
+            assert codes is None and scales is None
+print("OK")
+"""
+
+
+def test_fake_quant_kv_kernel_matches_reference_in_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", FAKE_QUANT_KV_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr[-3000:]
+
+
 def test_gpu_paths_compile_for_hopper():
     """The interpreter runs the EMULATE branches; this compiles the GPU paths (hardware casts, FP8 tensor-core
     dots, both scale layouts' strided stores) of the quantizer, the small-M GEMM, the K/V store and the fused
@@ -122,6 +164,10 @@ def test_gpu_paths_compile_for_hopper():
                              {"GROUP_ROWS": 1, "GROUP_COLS": 128, "TILE_R": 32, "POW2": False, "EXPLICIT_ROUND": False},
                              {"x_ptr": "*bf16", "codes_ptr": "*u8"})
     assert "cvt.rn.satfinite.e4m3x2.f32" in quant.asm["ptx"]
+    fake = compile_for_sm90(quant_triton._quantize_dequantize_kernel,
+                            {"D": 128, "TILE_R": 32, "POW2": True, "EXPLICIT_ROUND": False, "WRITE_CODES": True},
+                            {"x_ptr": "*bf16", "out_ptr": "*bf16", "codes_ptr": "*u8"})
+    assert "cvt.rn.satfinite.e4m3x2.f32" in fake.asm["ptx"] and fake.asm["cubin"]
     gemm = compile_for_sm90(gemm_triton._gemm_small_m_kernel,
                             {"GROUPS_PER_SPLIT": 8, "SPLIT_K": 4, "BLOCK_M": 16, "BLOCK_N": 64},
                             {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "out_ptr": "*bf16", "count_ptr": "*i32"})

@@ -150,6 +150,30 @@ def test_jet_kv_trains_through_quantized_kv():
     assert losses["jet"] != losses["jet_kv"]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype, pow2", [(torch.bfloat16, True), (torch.float32, False), (torch.float16, True)])
+def test_fused_fake_quant_on_cuda_is_the_reference_path_bit_for_bit(dtype, pow2):
+    """On CUDA ``quantize_dequantize_kv`` is one Triton pass; it must give the CPU reference's values (NaN where
+    a group holds NaN/Inf), keep the input's layout, and show the recorders the reference's codes and scales."""
+    pytest.importorskip("triton")
+    k = _kv_like((2, 8, 300, 128), dtype=dtype)
+    v = _kv_like((2, 300, 8, 128), seed=1, dtype=dtype).transpose(1, 2)  # the trainer's V: a transposed view
+    k[1, 3, 7, 5] = float("nan")
+    for x in (k, v):
+        want = quantize_dequantize_kv(x, pow2_scale=pow2, name="layers.0.k")  # CPU: quantize_kv + dequantize_kv
+        ref = quantize_kv(x, pow2_scale=pow2)
+        with record_quantization() as log:
+            got = quantize_dequantize_kv(x.cuda(), pow2_scale=pow2, name="layers.0.k")
+        assert got.dtype == dtype and got.stride() == x.stride()
+        got, nan = got.cpu(), want.isnan()
+        assert torch.equal(got.isnan(), nan)
+        as_int = {2: torch.int16, 4: torch.int32}[got.element_size()]
+        assert torch.equal(got[~nan].view(as_int), want[~nan].view(as_int))  # bits: -0.0 too
+        ((name, q),) = log
+        assert name == "layers.0.k" and torch.equal(_bits(q.codes.cpu()), _bits(ref.codes))
+        assert torch.equal(_bits(q.scales.cpu()), _bits(ref.scales))
+
+
 # ----------------------------------------------------------------------------- 3. engine cache == trainer codes
 @pytest.mark.parametrize("head_dim, arch", [(64, "llama"), (128, "qwen3")])
 def test_engine_fp8_cache_is_bit_identical_to_the_trainer_forward(head_dim, arch):

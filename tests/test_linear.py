@@ -88,6 +88,44 @@ def test_all_three_gemms_quantize_what_the_recipe_says():
     assert names["proj.grad_output"].shape == (130, 128) and names["proj.grad_output_t"].shape == (128, 130)
 
 
+def test_training_siblings_share_one_input_quantization_and_one_saved_input():
+    """q/k/v-style siblings on one input: one pass over it, one saved X^T, and the very gradients of
+    unshared layers (a clone of the input defeats the sharing: the memo keys on the tensor object)."""
+    torch.manual_seed(0)
+    layers = [_pair(256, n, seed=i)[1] for i, n in enumerate((256, 128, 128))]
+    x = torch.randn(2, 70, 256, dtype=torch.float32)
+    grads = [torch.randn(2, 70, layer.out_features) for layer in layers]
+
+    def run(share: bool):
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+        xs = x.clone().requires_grad_()
+        saved = []
+        with record_quantization() as log, torch.autograd.graph.saved_tensors_hooks(
+                lambda t: saved.append(t) or t, lambda t: t):
+            ys = [layer(xs if share else xs.clone()) for layer in layers]
+        torch.autograd.backward(ys, grads)
+        inputs = [name for name, _ in log if name.endswith(".input")]
+        codes = {t.data_ptr() for t in saved if t.dtype == torch.float8_e4m3fn}
+        return ys, xs.grad, [layer.weight.grad.clone() for layer in layers], inputs, codes
+
+    ys, dx, dws, inputs, codes = run(share=True)
+    ys0, dx0, dws0, inputs0, codes0 = run(share=False)
+    assert len(inputs) == 1 and len(inputs0) == 3  # one quantization of the shared input
+    assert len(codes) == 1 and len(codes0) == 3  # one saved X^T (the same tensor in three contexts)
+    assert all(torch.equal(a, b) for a, b in zip(ys, ys0))
+    assert torch.equal(dx, dx0) and all(torch.equal(a, b) for a, b in zip(dws, dws0))
+    # an in-place change of the input is a new version: the next sibling quantizes afresh
+    xs = x.clone().requires_grad_()
+    h = xs * 1.0
+    with record_quantization() as log:
+        layers[0](h)
+        with torch.no_grad():
+            h.mul_(2.0)
+        layers[1](h)
+    assert [name for name, _ in log if name.endswith(".input")] == ["proj.input", "proj.input"]
+
+
 def test_weight_quantized_once_per_version():
     _, fp8 = _pair(256, 256)
     opt = torch.optim.AdamW(fp8.parameters(), lr=1e-3)

@@ -118,6 +118,31 @@ def _job(ckpt, run_dir, *extra):
             "tensorboard=false", "task.reward_funcs=['tests.test_trainer:length_reward']", *extra]
 
 
+@pytest.mark.parametrize("phase, words", [("_update", "grpo.per_device_train_batch_size"),
+                                          ("rollout", "grpo.generation_batch_size")])
+def test_out_of_memory_names_the_settings_to_lower(monkeypatch, phase, words, random_checkpoint, tmp_path, capsys):
+    from jetrl.cli import main
+    from jetrl.rl import StepOutOfMemoryError
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.32 GiB.\nmore allocator detail")
+
+    if phase == "rollout":
+        monkeypatch.setattr(trainer_mod, "rollout", oom)
+    else:
+        monkeypatch.setattr(GRPOTrainer, phase, oom)
+    trainer = _trainer()
+    with pytest.raises(StepOutOfMemoryError, match=f"step 0: the {phase.strip('_')} phase ran out of device memory "
+                                                   r"\(CUDA out of memory. Tried to allocate 2.32 GiB.\); .*" + words):
+        trainer.train_step()
+    with pytest.raises(torch.OutOfMemoryError):  # still torch's error type for code that catches it
+        trainer.train_step()
+    # the CLI: a one-line error and exit code 2, no traceback
+    assert main(_job(random_checkpoint, tmp_path / "run")[3:]) == 2
+    err = capsys.readouterr().err
+    assert "ran out of device memory" in err and "Traceback" not in err and "--resume" in err
+
+
 def _final_state(run_dir):
     from safetensors.torch import load_file
 

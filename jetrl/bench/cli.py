@@ -25,7 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=None,
                    help="decoder layers of the 8B-shaped model in d, e (default 36)")
     p.add_argument("--train-layers", type=int, default=None,
-                   help="decoder layers of the 8B-shaped model in f, g (default 8)")
+                   help="decoder layers of the 8B-shaped model in f, g (default 36: Qwen3-8B; fewer run quicker)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="sequences per forward/backward in f, g (per_device_train_batch_size; default 8): "
+                        "fewer fit more layers into memory")
     p.add_argument("--no-long-context", dest="long_context", action="store_false",
                    help="skip the long-context rollout config of section e")
     p.add_argument("--in-process", action="store_true",
@@ -45,7 +48,8 @@ def parse_sections(text: str) -> str:
 def command_line(args: argparse.Namespace, sections: str, out: str | None = None) -> str:
     parts = ["jetrl", "bench", "--sections", ",".join(sections), "--out", out or args.out]
     parts += ["--smoke"] if args.smoke else []
-    for flag, value in (("--device", args.device), ("--layers", args.layers), ("--train-layers", args.train_layers)):
+    for flag, value in (("--device", args.device), ("--layers", args.layers), ("--train-layers", args.train_layers),
+                        ("--micro-batch", args.micro_batch)):
         if value is not None:
             parts += [flag, str(value)]
     parts += [] if args.long_context else ["--no-long-context"]
@@ -66,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"the full-size bench (8B shapes) runs on a CUDA GPU, not {device}; add --smoke for the "
                          "tiny CPU run")
     preset = smoke_config if args.smoke else h200_config
-    sizes = {k: v for k, v in (("layers", args.layers), ("train_layers", args.train_layers)) if v is not None}
+    sizes = {k: v for k, v in (("layers", args.layers), ("train_layers", args.train_layers),
+                               ("micro_batch", args.micro_batch)) if v is not None}
     cfg = preset(long_context=args.long_context, **sizes)
     child = None
     if device.type == "cuda" and len(sections) > 1 and not args.in_process:

@@ -1,12 +1,13 @@
 """Sections (f) and (g): the training phase and one end-to-end RL step, ``jet`` vs ``bf16``.
 
 Both run :class:`~jetrl.rl.GRPOTrainer` itself, so they time the code a real run executes,
-on an 8B-shaped random Qwen3 with ``--train-layers`` layers (default 8: hidden 4096, SwiGLU
-12288, 32/8 heads of 128, vocabulary 151936; ~2.8B parameters, of which the embedding and the
-untied lm_head are 1.2B and stay BF16 under every recipe). Fewer layers than 36 keep the
-optimizer state and activations of two recipes, one after the other, inside the budget; the
-per-layer ratio is what the layer count does not change, while the BF16 lm_head, embedding and
-AdamW share weigh *more* here than at 36 layers, so the ratios are conservative.
+on an 8B-shaped random Qwen3 with ``--train-layers`` layers (default 36, Qwen3-8B itself: hidden
+4096, SwiGLU 12288, 32/8 heads of 128, vocabulary 151936; 8.19B parameters, of which the embedding
+and the untied lm_head are 1.2B and stay BF16 under every recipe). On one H200 the whole model,
+its AdamW moments (BF16, as the parameters) and micro-batches of 8 x 1152 tokens fit: (f) peaks at
+~119 GiB, (g) adds the engine's KV cache. Fewer layers run quicker, but the BF16 lm_head and
+embedding then weigh more than in the real model, so their ratios come out lower (8 layers: (f)
+1.18x against 1.25x at 36, docs/benchmarks.md).
 
 The same model object serves both recipes: ``bf16`` first (no conversion), then the trainer
 for ``jet`` converts it in place (shared parameters). Each trainer gets a fresh AdamW.

@@ -55,6 +55,7 @@ BACKENDS = ("emulated", "scaled_mm", "triton", "gluon")
 SMALL_M_MAX = 64  # rows up to which the Triton small-M kernel beats cuBLAS block FP8 (bench section c)
 ONE_WAVE_CTAS = 132  # the H200's SM count: the Gluon kernel is chosen where its tiles fill one wave
 GLUON_MIN_M = 32  # below this many rows the Triton kernel's 16/32-row tiles win (bench (c), run O)
+NARROW_BLOCK_N = 32  # the Gluon kernel's tile width for narrow layers at M <= 64 (gluon_tiles)
 LONG_K = 8192  # K from which split-K (Triton, M <= 64) or 128 x 64 tiles (Gluon) win (bench/sweep_gemm_gluon.py)
 _override = ScopedOverride("FP8 GEMM backend", BACKENDS)
 _resolved: dict[str, str] = {}
@@ -96,8 +97,9 @@ def choose_backend(m: int, b_block: tuple[int, int] = (BLOCK, BLOCK), n: int | N
 
     * M <= 32: the Triton small-M kernel (16- and 32-row tiles; Gluon's 64-row wgmma tile is 10-40%
       slower at M = 1 and 16);
-    * M <= 64: the Gluon kernel (64 x 64 tiles, persistent) where K is short (qkv, o, gate_up), Triton's
-      split-K for a long K (down);
+    * M <= 64: the Gluon kernel (persistent; 64 x 32 tiles for a narrow layer, o and down, so that it
+      runs 128 CTAs instead of 64; 64 x 64 otherwise), except a wide layer with a long K, which keeps
+      Triton's split-K;
     * M > 64: the Gluon kernel where its tiles fit in one wave of 132 SMs (qkv and o at M = 128, o and
       down at M = 256), else cuBLAS (gate_up, and qkv at M = 256: cuBLAS reaches 1.1 PFLOPS on gate_up,
       the Gluon kernel 0.92).
@@ -108,7 +110,7 @@ def choose_backend(m: int, b_block: tuple[int, int] = (BLOCK, BLOCK), n: int | N
         return "scaled_mm"  # wgrad's 1x128 operands: cuBLAS only
     if n is not None and k is not None and m > GLUON_MIN_M and k % (2 * BLOCK) == 0 and has_gluon():
         if m <= SMALL_M_MAX:
-            return "gluon" if k < LONG_K else "triton"
+            return "gluon" if k < LONG_K or gluon_tiles(m, n, k).block_n == NARROW_BLOCK_N else "triton"
         tiles = gluon_tiles(m, n, k)
         if -(-m // tiles.block_m) * -(-n // tiles.block_n) <= ONE_WAVE_CTAS:
             return "gluon"
@@ -117,10 +119,14 @@ def choose_backend(m: int, b_block: tuple[int, int] = (BLOCK, BLOCK), n: int | N
 
 def gluon_tiles(m: int, n: int, k: int):
     """The Gluon kernel's tiles for an (m, n, k) GEMM, a pure function of the shape (the sweep's best):
-    64 x 64 up to 64 rows, 128 x 64 with 8 stages for a long K, 64 x 128 otherwise."""
+    up to 64 rows 64 x 32 where 64-wide tiles would fill at most half the SMs (the GEMM streams the
+    weight: twice the CTAs read it twice as fast), else 64 x 64; above, 128 x 64 with 8 stages for a long
+    K, 64 x 128 otherwise."""
     from jetrl.fp8.kernels.gluon_tiles import GluonConfig
 
     if m <= SMALL_M_MAX:
+        if -(-n // 64) <= ONE_WAVE_CTAS // 2:
+            return GluonConfig(64, NARROW_BLOCK_N, stages=8, unroll=4)
         return GluonConfig(64, 64, stages=6, unroll=4)
     if k >= LONG_K:
         return GluonConfig(128, 64, stages=8, unroll=4)

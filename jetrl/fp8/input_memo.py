@@ -1,8 +1,9 @@
 """One value computed from an input tensor, reused while that same tensor comes back unchanged.
 
-Why: without autograd, sibling layers read the same activation -- q/k/v of one attention, gate/up
-of one MLP. Its FP8 quantization (linear.py) and, on CUDA, the siblings' stacked GEMM
-(projection_group.py) need computing once per activation, not once per sibling.
+Why: sibling layers read the same activation -- q/k/v of one attention, gate/up of one MLP. Its
+FP8 quantization (linear.py: in training both layouts, of which X^T is saved for the wgrads) and,
+without autograd on CUDA, the siblings' stacked GEMM (projection_group.py) need computing once per
+activation, not once per sibling.
 
 A hit needs all of:
 * the same tensor *object*, held by a weak reference, so a freed tensor never matches, even when

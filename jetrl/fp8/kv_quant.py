@@ -50,7 +50,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jetrl.fp8.quant import E4M3, Float8Blocks, quantize
+from jetrl.fp8.quant import E4M3, Float8Blocks, quant_backend, quantize, record, recording
 from jetrl.fp8.recipe import KVCacheSpec, Recipe, current_phase
 
 
@@ -82,7 +82,21 @@ def dequantize_kv(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def quantize_dequantize_kv(x: Tensor, *, pow2_scale: bool = False, name: str = "kv") -> Tensor:
-    """deq(q(x)) in ``x.dtype``: what an FP8 cache returns for ``x`` (no autograd; see fake_quantize_kv)."""
+    """deq(q(x)) in ``x.dtype``: what an FP8 cache returns for ``x`` (no autograd; see fake_quantize_kv).
+
+    On CUDA one Triton pass (quant_triton.quantize_dequantize_triton: the quantizer's own row
+    arithmetic, then the decode above) in x's own layout; elsewhere, or for shapes it does not take,
+    quantize_kv then dequantize_kv. Both give the same bits, and the recorders see the same codes."""
+    head_dim = x.shape[-1] if x.dim() else 0
+    if (x.is_cuda and 2 <= x.dim() <= 4 and x.numel() and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and quant_backend(x.device) == "triton"):
+        from jetrl.fp8.kernels.quant_triton import GROUP_WIDTHS, quantize_dequantize_triton
+
+        if head_dim in GROUP_WIDTHS:
+            out, codes, scales = quantize_dequantize_triton(x, pow2_scale, with_codes=recording())
+            if codes is not None:
+                record(name, Float8Blocks(codes, scales, (1, head_dim)))
+            return out
     q = quantize_kv(x, pow2_scale=pow2_scale, name=name)
     return dequantize_kv(q.codes.view(x.shape), q.scales.view(x.shape[:-1]), x.dtype)
 

@@ -14,11 +14,13 @@ One ``autograd.Function`` holds the whole layer (y = x W^T; M tokens, K in, N ou
 * Gradients between ops stay in the input's dtype (BF16 in a BF16 model), dW is accumulated
   in fp32 by the GEMM and returned in the master weight's dtype (BF16, or fp32 if chosen).
 * The bias is added outside the Function in high precision, by autograd.
-* Without autograd (the rollout, old-logprob passes) there is no Function, and sibling layers that
-  read the same input tensor -- q/k/v of one attention, gate/up of one MLP -- quantize it once
-  (input_memo.py: a hit is the same tensor object, unmodified, with the same spec; the codes are
-  those a fresh call would produce). On CUDA such siblings also run as one GEMM over their
-  stacked weight codes (projection_group.py).
+* Sibling layers that read the same input tensor -- q/k/v of one attention, gate/up of one MLP --
+  quantize it once (input_memo.py: a hit is the same tensor object, unmodified, with the same spec;
+  the codes are those a fresh call would produce). In training they also save one X^T for their
+  three (two) wgrads: per layer and micro-batch, 4 passes over inputs instead of 7, and 3 fewer
+  saved copies of X^T. Without autograd (the rollout, old-logprob passes) there is no Function,
+  and on CUDA such siblings also run as one GEMM over their stacked weight codes
+  (projection_group.py).
 
 Which precision a call uses comes from the module's :class:`~jetrl.fp8.recipe.Recipe` and
 the current phase (``precision_phase("rollout")`` in the engine): under ``jet`` both phases
@@ -46,11 +48,13 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 class _Float8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, weight, cache: WeightCache, spec: LinearPrecision, name: str, save_for_wgrad: bool):
+    def forward(ctx, x2d, weight, cache: WeightCache, spec: LinearPrecision, name: str, save_for_wgrad: bool,
+                x_both: tuple[Float8Blocks, Float8Blocks] | None):
         w_q = cache.get(weight, spec.weight)
         ctx.cache, ctx.spec, ctx.name, ctx.x_dtype = cache, spec, name, x2d.dtype
         if save_for_wgrad and spec.grad_output is not None:
-            x_q, xt_q = _quantize_both(x2d, spec.input, spec.wgrad, f"{name}.input")  # one pass on CUDA
+            # both layouts of X: one pass on CUDA, shared by siblings (x_both, Float8Linear.forward)
+            x_q, xt_q = x_both or _quantize_both(x2d, spec.input, spec.wgrad, f"{name}.input")
             ctx.save_for_backward(weight, xt_q.codes, xt_q.scales)  # X^T (K, M) in FP8
         else:
             x_q = quantize(x2d, spec.input.block, pow2_scale=spec.input.pow2_scale, name=f"{name}.input")
@@ -79,7 +83,7 @@ class _Float8LinearFn(torch.autograd.Function):
             xt_q = Float8Blocks(saved[0], saved[1], spec.wgrad.block)
             # fp32 accumulation, rounded once to the master weight's dtype by the GEMM itself
             grad_w = fp8_gemm(dyt_q, xt_q, out_dtype=weight.dtype, batch_invariant=False)  # (N, K)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 def _quantize_both(t: torch.Tensor, rows: QuantSpec, tokens: QuantSpec, name: str) -> tuple[Float8Blocks, Float8Blocks]:
@@ -90,7 +94,7 @@ def _quantize_both(t: torch.Tensor, rows: QuantSpec, tokens: QuantSpec, name: st
             quantize(t.t(), tokens.block, pow2_scale=tokens.pow2_scale, name=f"{name}_t"))
 
 
-_last_input = InputMemo()  # the last activation quantized without autograd, for sibling layers
+_last_input = InputMemo()  # the last activation quantized, for sibling layers
 
 
 class Float8Linear(nn.Linear):
@@ -150,7 +154,12 @@ class Float8Linear(nn.Linear):
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(y.dtype)
         save_for_wgrad = torch.is_grad_enabled() and self.weight.requires_grad
-        y = _Float8LinearFn.apply(x2d, self.weight, self.weight_cache, spec, self.fqn, save_for_wgrad)
+        x_both = None
+        if save_for_wgrad and spec.grad_output is not None:
+            # siblings (q/k/v, gate/up) share X's two layouts: one pass, and one saved X^T for their wgrads
+            x_both = _last_input.get(x, ("fprop+wgrad", spec.input, spec.wgrad),
+                                     lambda: _quantize_both(x2d, spec.input, spec.wgrad, f"{self.fqn}.input"))
+        y = _Float8LinearFn.apply(x2d, self.weight, self.weight_cache, spec, self.fqn, save_for_wgrad, x_both)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 

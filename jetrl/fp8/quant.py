@@ -187,8 +187,7 @@ def quantize_with_transpose(
 def _finish(out: Float8Blocks, check_finite: bool, name: str) -> Float8Blocks:
     if check_finite:
         assert_finite(out, name)
-    for recorder in _RECORDERS:
-        recorder.append((name, out))
+    record(name, out)
     return out
 
 
@@ -288,6 +287,18 @@ def _validate(x: torch.Tensor, block: tuple[int, int], name: str) -> None:
 # Recording: a tap that sees every (name, Float8Blocks) the quantizer produces. Used by the
 # single-quantizer test and by per-layer diagnosis; free when nobody records.
 _RECORDERS: list[list[tuple[str, Float8Blocks]]] = []
+
+
+def recording() -> bool:
+    """Whether a :func:`record_quantization` block is open (a fused kernel then also returns its codes)."""
+    return bool(_RECORDERS)
+
+
+def record(name: str, out: Float8Blocks) -> None:
+    """Show the recorders a quantization made outside :func:`quantize` by the quantizer's own arithmetic
+    (a fused kernel: kv_quant.py's quantize->dequantize)."""
+    for recorder in _RECORDERS:
+        recorder.append((name, out))
 
 
 @contextlib.contextmanager

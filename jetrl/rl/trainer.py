@@ -43,6 +43,7 @@ from jetrl.rl.batch import RolloutBatch, completion_logprobs
 from jetrl.rl.config import GRPOConfig
 from jetrl.rl.correction import rollout_correction_weights
 from jetrl.rl.loss import policy_loss
+from jetrl.rl.memory import oom_advice
 from jetrl.rl.metrics import mismatch_metrics
 from jetrl.rl.rollout import rollout
 
@@ -118,14 +119,17 @@ class GRPOTrainer:
         args, step = self.args, self.step
         t0 = time.time()
         idx = self.prompt_indices(step)
-        batch, metrics, _ = rollout(self.engine, [self.prompt_ids[i] for i in idx], [self.records[i] for i in idx],
-                                    self.reward_funcs, args, seed=args.seed * 1_000_003 + step,
-                                    accuracy_func=self.accuracy_func)
+        with oom_advice("rollout", args, step):
+            batch, metrics, _ = rollout(self.engine, [self.prompt_ids[i] for i in idx],
+                                        [self.records[i] for i in idx], self.reward_funcs, args,
+                                        seed=args.seed * 1_000_003 + step, accuracy_func=self.accuracy_func)
         t1 = time.time()
         if batch is not None:
-            self._old_logprobs(batch, metrics)
+            with oom_advice("old_logprobs", args, step):
+                self._old_logprobs(batch, metrics)
             t2 = time.time()
-            self._update(batch, metrics)
+            with oom_advice("update", args, step):
+                self._update(batch, metrics)
         else:
             t2 = t1
         t3 = time.time()

@@ -19,7 +19,8 @@ class GluonConfig:
     """One CTA's output tile and its pipeline.
 
     block_m: 64 rows (one consumer warpgroup) or 128 (two, in warp-specialized partitions of their own).
-    block_n: 64 or 128 (one weight scale per tile and group needs block_n to divide 128).
+    block_n: 32, 64 or 128 (one weight scale per tile and group needs block_n to divide 128; 32 gives a
+             narrow layer twice the CTAs of 64 at M <= 64, where the GEMM streams the weight).
     stages: shared-memory ring slots, each one 128-wide group of K of A and B.
     unroll: groups per consumer loop iteration, 2 or 4 (4 needs K a multiple of 512; else 2 is used).
     """
@@ -30,8 +31,9 @@ class GluonConfig:
     unroll: int = 2
 
     def __post_init__(self):
-        if self.block_m not in (64, 128) or self.block_n not in (64, 128) or self.unroll not in (2, 4):
-            raise ValueError(f"GluonConfig: block_m and block_n must be 64 or 128 and unroll 2 or 4, got {self}")
+        if self.block_m not in (64, 128) or self.block_n not in (32, 64, 128) or self.unroll not in (2, 4):
+            raise ValueError(f"GluonConfig: block_m must be 64 or 128, block_n 32, 64 or 128 and unroll 2 or 4, "
+                             f"got {self}")
         if not 2 <= self.stages <= 12:
             raise ValueError(f"GluonConfig: stages must be in [2, 12], got {self.stages}")
 

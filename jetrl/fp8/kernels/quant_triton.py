@@ -1,6 +1,6 @@
 """Triton kernel of the one quantizer; its spec is :func:`jetrl.fp8.quant.quantize_reference`.
 
-Two kernels:
+Three kernels:
 
 * ``_quantize_kernel``: one program quantizes a (TILE_R, GC) tile of x (R, C), GC the group
   width (128 for GEMM operands; the head_dim, a power of two from 16 to 128, for the per-token
@@ -15,6 +15,10 @@ Two kernels:
   once (the second walk over the tile hits the cache), and x^T is never materialized. Each layout's
   codes and scales are exactly those of ``quantize_reference(x, 1, 128)`` and
   ``quantize_reference(x.t(), 1, 128)``.
+
+* ``_quantize_dequantize_kernel``: deq(q(x)) per 1xD row in one pass (the trainer's FP8 K/V,
+  kv_quant.py): the row quantizer above, then each code decoded exactly and multiplied by its
+  scale in fp32, rounded once to x's dtype -- what the engine's FP8 cache returns.
 
 The arithmetic is the reference's, operation for operation, so the GPU codes are
 bit-identical to it:
@@ -139,6 +143,59 @@ def _quantize_kernel(
         tl.store(scales_ptr + rows * stride_sr + pid_c * stride_sc, scale, mask=rows < R)
     else:
         tl.store(scales_ptr + pid_r * stride_sr + pid_c * stride_sc, scale)
+
+
+@triton.jit
+def _quantize_dequantize_kernel(
+    x_ptr, out_ptr, codes_ptr, scales_ptr, N, S1, S2,
+    sx0, sx1, sx2, sx3, so0, so1, so2, so3,
+    D: tl.constexpr, TILE_R: tl.constexpr, POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
+    WRITE_CODES: tl.constexpr,
+):
+    # rows of D elements of a 4-D view (S0, S1, S2, D), numbered row-major, each read and written
+    # through its own strides (the trainer's V is a transposed view: no copy in, the same layout out)
+    rows = tl.program_id(0).to(tl.int64) * TILE_R + tl.arange(0, TILE_R)
+    ok = rows < N
+    i2, i01 = rows % S2, rows // S2
+    i1, i0 = i01 % S1, i01 // S1
+    cols = tl.arange(0, D)
+    x = tl.load(x_ptr + (i0 * sx0 + i1 * sx1 + i2 * sx2)[:, None] + cols[None, :] * sx3, mask=ok[:, None],
+                other=0.0).to(tl.float32)
+    code_bits, scale = quantize_rows(x, POW2, EXPLICIT_ROUND)
+    y = code_bits.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]  # exact decode, one fp32 product
+    if EXPLICIT_ROUND and out_ptr.dtype.element_ty == tl.bfloat16:
+        # the interpreter's fp32 -> bf16 cast truncates: round to nearest even on the bits first (NaN kept
+        # as is: the bit trick could carry a NaN's payload into the sign)
+        bits = y.to(tl.int32, bitcast=True)
+        y = tl.where(y != y, y, ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True))
+    tl.store(out_ptr + (i0 * so0 + i1 * so1 + i2 * so2)[:, None] + cols[None, :] * so3,
+             y.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+    if WRITE_CODES:
+        tl.store(codes_ptr + rows[:, None] * D + cols[None, :], code_bits, mask=ok[:, None])
+        tl.store(scales_ptr + rows, scale, mask=ok)
+
+
+def quantize_dequantize_triton(
+    x: torch.Tensor, pow2_scale: bool, *, with_codes: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """deq(q(x)) per 1 x D row (D = x.shape[-1] in GROUP_WIDTHS, x of 1 to 4 dims) in one pass:
+    ``(codes.float() * scales).to(x.dtype)`` of ``quantize_reference(x.reshape(-1, D), 1, D, pow2_scale)``,
+    bit for bit, in x's own layout (``empty_like``). With ``with_codes`` also those codes (N, D) and
+    scales (N, 1), for the recorders; else None, None."""
+    assert 1 <= x.dim() <= 4 and x.shape[-1] in GROUP_WIDTHS and x.numel(), (x.shape, x.dtype)
+    d = x.shape[-1]
+    n = x.numel() // d
+    out = torch.empty_like(x)
+    x4, o4 = x[(None,) * (4 - x.dim())], out[(None,) * (4 - x.dim())]
+    codes = torch.empty((n, d), dtype=E4M3, device=x.device) if with_codes else None
+    scales = torch.empty((n, 1), dtype=torch.float32, device=x.device) if with_codes else None
+    tile_r = max(32, 4096 // d)
+    _quantize_dequantize_kernel[(triton.cdiv(n, tile_r),)](
+        x4, o4, out if codes is None else codes.view(torch.uint8), out if scales is None else scales,
+        n, x4.shape[1], x4.shape[2], *x4.stride(), *o4.stride(),
+        D=d, TILE_R=tile_r, POW2=pow2_scale, EXPLICIT_ROUND=explicit_round(), WRITE_CODES=with_codes, num_warps=4,
+    )
+    return out, codes, scales
 
 
 def explicit_round() -> bool:

@@ -1,0 +1,57 @@
+"""Device memory running out in a phase of an RL step: an error that names the settings to lower.
+
+Why: torch's out-of-memory message gives byte counts and allocator advice, not which of the run's
+settings holds the memory. Each phase of a step has one dominant consumer:
+
+    rollout       the engine's KV cache: generation_batch_size rows x (max_prompt_length +
+                  max_completion_length) positions x layers x 2 (K, V) x kv_heads x head_dim
+                  x bytes (2 in BF16; ~1 with an FP8 cache: recipe jet_kv)
+    old_logprobs  one micro-batch's forward: per_device_train_batch_size sequences, their
+                  activations and their (tokens, vocab) logits
+    update        the same micro-batch forward + backward (activations kept for the backward),
+                  next to the parameters, gradients and AdamW's two moments (4x the weights)
+
+:class:`StepOutOfMemoryError` subclasses ``torch.OutOfMemoryError``, so code that catches torch's
+error still catches it; ``jetrl train`` prints it as a one-line error. Nothing is lost: the last
+checkpoint is untouched, and ``--resume`` restarts from it with the lowered settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from jetrl.rl.config import GRPOConfig
+
+
+class StepOutOfMemoryError(torch.OutOfMemoryError):
+    """A phase of an RL step ran out of device memory; the message names the settings to lower."""
+
+
+def advice(phase: str, args: GRPOConfig) -> str:
+    """What to lower when ``phase`` ("rollout", "old_logprobs" or "update") runs out of memory."""
+    context = args.max_prompt_length + args.max_completion_length
+    if phase == "rollout":
+        return (f"the engine's KV cache holds generation_batch_size={args.generation_batch_size} rows of up to "
+                f"{context} positions: lower grpo.generation_batch_size or grpo.max_completion_length, or use the "
+                "recipe jet_kv (an FP8 cache, about half the bytes)")
+    return (f"each micro-batch holds per_device_train_batch_size={args.per_device_train_batch_size} sequences of up "
+            f"to {context} tokens (activations and their vocabulary-wide logits): lower "
+            "grpo.per_device_train_batch_size and raise grpo.gradient_accumulation_steps by the same factor (the "
+            "batch per update stays the same)")
+
+
+@contextlib.contextmanager
+def oom_advice(phase: str, args: GRPOConfig, step: int) -> Iterator[None]:
+    """Re-raise a ``torch.OutOfMemoryError`` inside the block as a :class:`StepOutOfMemoryError` with advice."""
+    try:
+        yield
+    except StepOutOfMemoryError:
+        raise
+    except torch.OutOfMemoryError as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+        raise StepOutOfMemoryError(
+            f"step {step}: the {phase} phase ran out of device memory ({first_line}); {advice(phase, args)}; "
+            "then resume from the last checkpoint (jetrl train --run-dir DIR --resume)") from exc
