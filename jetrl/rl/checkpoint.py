@@ -16,7 +16,11 @@ dirs are removed at the next save.
 
 Exact resume: the trainer derives every random choice (data order, sampling seeds) from
 ``(seed, step)`` and keeps master weights and optimizer state in full precision, so loading
-a checkpoint and continuing reproduces an uninterrupted run bit for bit on the same machine.
+a checkpoint and continuing reproduces an uninterrupted run bit for bit on the same machine --
+on the CPU (tests/test_trainer.py kills a run with SIGKILL and resumes it). On a CUDA GPU it is
+exact up to the GPU's own nondeterminism: the same test run on an H200 (2026-11-30) found the
+resumed run's metrics differing from the uninterrupted run's; which kernels differ run to run
+(atomics in some backward kernels are the usual suspects) is not yet known.
 """
 
 from __future__ import annotations
