@@ -7,7 +7,7 @@ and the untied lm_head are 1.2B and stay BF16 under every recipe). On one H200 t
 its AdamW moments (BF16, as the parameters) and micro-batches of 8 x 1152 tokens fit: (f) peaks at
 ~119 GiB, (g) adds the engine's KV cache. Fewer layers run quicker, but the BF16 lm_head and
 embedding then weigh more than in the real model, so their ratios come out lower (8 layers: (f)
-1.18x against 1.25x at 36, docs/benchmarks.md).
+1.18x against 1.26x at 36, docs/benchmarks.md).
 
 The same model object serves both recipes: ``bf16`` first (no conversion), then the trainer
 for ``jet`` converts it in place (shared parameters). Each trainer gets a fresh AdamW.

@@ -50,6 +50,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from jetrl.fp8.kernels import KERNEL_FLOAT_DTYPES
 from jetrl.fp8.quant import E4M3, Float8Blocks, quant_backend, quantize, record, recording
 from jetrl.fp8.recipe import KVCacheSpec, Recipe, current_phase
 
@@ -88,8 +89,8 @@ def quantize_dequantize_kv(x: Tensor, *, pow2_scale: bool = False, name: str = "
     arithmetic, then the decode above) in x's own layout; elsewhere, or for shapes it does not take,
     quantize_kv then dequantize_kv. Both give the same bits, and the recorders see the same codes."""
     head_dim = x.shape[-1] if x.dim() else 0
-    if (x.is_cuda and 2 <= x.dim() <= 4 and x.numel() and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and quant_backend(x.device) == "triton"):
+    fused = x.is_cuda and 2 <= x.dim() <= 4 and x.numel() and x.dtype in KERNEL_FLOAT_DTYPES
+    if fused and quant_backend(x.device) == "triton":
         from jetrl.fp8.kernels.quant_triton import GROUP_WIDTHS, quantize_dequantize_triton
 
         if head_dim in GROUP_WIDTHS:

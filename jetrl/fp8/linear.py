@@ -48,13 +48,14 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 class _Float8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2d, weight, cache: WeightCache, spec: LinearPrecision, name: str, save_for_wgrad: bool,
+    def forward(ctx, x2d, weight, cache: WeightCache, spec: LinearPrecision, name: str,
                 x_both: tuple[Float8Blocks, Float8Blocks] | None):
+        """``x_both``: X's two layouts (fprop's, and wgrad's X^T, which is saved) when wgrad will run, from
+        Float8Linear.forward, which shares them among siblings; None quantizes X for fprop only."""
         w_q = cache.get(weight, spec.weight)
         ctx.cache, ctx.spec, ctx.name, ctx.x_dtype = cache, spec, name, x2d.dtype
-        if save_for_wgrad and spec.grad_output is not None:
-            # both layouts of X: one pass on CUDA, shared by siblings (x_both, Float8Linear.forward)
-            x_q, xt_q = x_both or _quantize_both(x2d, spec.input, spec.wgrad, f"{name}.input")
+        if x_both is not None:
+            x_q, xt_q = x_both
             ctx.save_for_backward(weight, xt_q.codes, xt_q.scales)  # X^T (K, M) in FP8
         else:
             x_q = quantize(x2d, spec.input.block, pow2_scale=spec.input.pow2_scale, name=f"{name}.input")
@@ -83,7 +84,7 @@ class _Float8LinearFn(torch.autograd.Function):
             xt_q = Float8Blocks(saved[0], saved[1], spec.wgrad.block)
             # fp32 accumulation, rounded once to the master weight's dtype by the GEMM itself
             grad_w = fp8_gemm(dyt_q, xt_q, out_dtype=weight.dtype, batch_invariant=False)  # (N, K)
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
 def _quantize_both(t: torch.Tensor, rows: QuantSpec, tokens: QuantSpec, name: str) -> tuple[Float8Blocks, Float8Blocks]:
@@ -153,13 +154,12 @@ class Float8Linear(nn.Linear):
                 y = fp8_gemm(x_q(), self.weight_cache.get(self.weight, spec.weight), out_dtype=x2d.dtype)
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias.to(y.dtype)
-        save_for_wgrad = torch.is_grad_enabled() and self.weight.requires_grad
         x_both = None
-        if save_for_wgrad and spec.grad_output is not None:
+        if self.weight.requires_grad and spec.grad_output is not None:  # wgrad will need X^T
             # siblings (q/k/v, gate/up) share X's two layouts: one pass, and one saved X^T for their wgrads
             x_both = _last_input.get(x, ("fprop+wgrad", spec.input, spec.wgrad),
                                      lambda: _quantize_both(x2d, spec.input, spec.wgrad, f"{self.fqn}.input"))
-        y = _Float8LinearFn.apply(x2d, self.weight, self.weight_cache, spec, self.fqn, save_for_wgrad, x_both)
+        y = _Float8LinearFn.apply(x2d, self.weight, self.weight_cache, spec, self.fqn, x_both)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
