@@ -19,7 +19,9 @@ from jetrl.fp8 import (
     get_recipe,
     precision_phase,
     record_quantization,
+    quantize,
     refresh_weight_caches,
+    track_optimizer,
 )
 
 from .conftest import sqnr_db
@@ -149,6 +151,25 @@ def test_weight_quantized_once_per_version():
     refresh_weight_caches(fp8)  # the version did not change since: no second quantization
     assert fp8.weight_cache.num_quantizations == 2
     assert torch.equal(after.view(torch.uint8), fp8.quantized_weight().codes.view(torch.uint8))
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+                                  lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+                                  lambda ps: torch.optim.SGD(ps, lr=0.5)], ids=["fused", "foreach", "sgd"])
+def test_tracked_optimizer_steps_reach_the_cache(make):
+    """Fused optimizers write parameters without bumping their versions; track_optimizer bumps them."""
+    _, fp8 = _pair(256, 256)
+    opt = make(list(fp8.parameters()))
+    handle = track_optimizer(opt)
+    spec = get_recipe("jet").train.weight
+    for _ in range(2):
+        fp8(torch.randn(16, 256)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        fresh = quantize(fp8.weight.detach(), spec.block)
+        assert torch.equal(fp8.quantized_weight().codes.view(torch.uint8), fresh.codes.view(torch.uint8))
+    assert fp8.weight_cache.num_quantizations == 3
+    handle.remove()
 
 
 def test_one_training_step_changes_parameters_and_fp32_master_weights_work():

@@ -12,6 +12,7 @@ import torch
 
 import jetrl.rl.trainer as trainer_mod
 from jetrl.data import PromptTooLongError, synthetic_split
+from jetrl.fp8 import float8_modules, quantize
 from jetrl.models import save_pretrained
 from jetrl.models.llama import CausalLM
 from jetrl.models.tiny import build_tiny_tokenizer, tiny_model_config
@@ -48,6 +49,22 @@ def test_one_step_changes_parameters_and_logs_every_metric():
                 "grad_norm", "clip_ratio/region_mean", "time/rollout", "time/old_logprobs", "time/update"):
         assert key in metrics, key
     assert trainer.old_logprobs_source == "rollout" and metrics["grad_norm"] > 0
+
+
+def test_fp8_weight_caches_follow_a_fused_optimizer(monkeypatch):
+    """CUDA trains with AdamW(fused=True), which writes parameters without bumping their versions;
+    the FP8 caches key on the version, so without the trainer's hook every FP8 forward after the first
+    step would read the first step's codes (the GPU runs of 791ca66..this test did). Forced on CPU here."""
+    real = torch.optim.AdamW
+    monkeypatch.setattr(torch.optim, "AdamW", lambda params, **kw: real(params, **{**kw, "fused": True}))
+    trainer = _trainer("jet")
+    assert trainer.optimizer.defaults["fused"] is True
+    trainer.train_step()
+    assert trainer.optimizer_steps >= 1
+    spec = trainer.recipe.train.weight
+    for name, module in float8_modules(trainer.model).items():
+        fresh = quantize(module.weight.detach(), spec.block, pow2_scale=spec.pow2_scale)
+        assert torch.equal(module.quantized_weight().codes.view(torch.uint8), fresh.codes.view(torch.uint8)), name
 
 
 @pytest.mark.parametrize("recipe, source", [("bf16", "recompute"), ("fp8_rollout", "recompute"), ("jet", "rollout"),

@@ -24,6 +24,7 @@ from jetrl.fp8.recipe import (
     get_recipe,
     precision_phase,
 )
+from jetrl.fp8.weight_cache import track_optimizer
 
 __all__ = [
     "RECIPE_NAMES",
@@ -54,4 +55,5 @@ __all__ = [
     "record_quantization",
     "refresh_weight_caches",
     "resolve_backend",
+    "track_optimizer",
 ]

@@ -5,11 +5,19 @@ goes through one :class:`WeightCache` per linear layer, so they all see the very
 and scales, and a weight is quantized once per optimizer step instead of once per forward.
 
 Key: ``(param._version, param.data_ptr(), spec)``. PyTorch bumps ``_version`` on every
-in-place write through the parameter (``optimizer.step()``, ``load_state_dict``,
-``copy_`` under ``no_grad``), so a stale entry cannot be read after an update. Writes that
-bypass the version counter (``param.data.copy_(...)``) must call :meth:`invalidate` or
-:func:`jetrl.fp8.refresh_weight_caches`, which the trainer calls after each optimizer step
-to fill every cache eagerly (off the rollout's critical path).
+in-place write through the parameter by an ordinary op (``load_state_dict``, ``copy_`` under
+``no_grad``, the for-loop and foreach optimizers), so a stale entry cannot be read after such a
+write. **Fused optimizers do not bump it**: ``torch.optim.AdamW(fused=True)`` writes the
+parameters through one kernel and leaves ``_version`` unchanged (measured with torch 2.13 on CPU;
+on the H200, torch 2.11, a killed-and-resumed ``jet`` run diverged from the uninterrupted one at
+the first step after the resume, because the resumed process quantized the updated weights;
+tests/test_trainer.py forces the fused optimizer on CPU). Without help, every FP8 forward after such a step
+would read the first step's codes -- trainer and rollout alike, so the mismatch metrics would
+stay at zero while the FP8 policy never moved. :func:`track_optimizer` closes the gap: a step
+post-hook that bumps the version of every parameter the optimizer holds (the trainer installs
+it). Other writes that bypass the counter (``param.data.copy_(...)``, a custom kernel) must call
+:meth:`invalidate`. The trainer calls :func:`jetrl.fp8.refresh_weight_caches` after each optimizer
+step to fill every cache eagerly (off the rollout's critical path).
 
 dgrad needs W^T. It is derived from the cached codes (:meth:`Float8Blocks.t`), never
 re-quantized from BF16, so fprop and dgrad use one set of weight codes.
@@ -28,6 +36,21 @@ import torch
 
 from jetrl.fp8.quant import E4M3, Float8Blocks, assert_finite, quantize
 from jetrl.fp8.recipe import QuantSpec
+
+
+def track_optimizer(optimizer: torch.optim.Optimizer):
+    """Make every ``optimizer.step()`` visible to the weight caches; returns the hook's handle.
+
+    Bumps the version counter of each parameter the optimizer holds after each step (module
+    docstring: fused optimizers write parameters without bumping it). A second bump after an
+    optimizer that already bumped is harmless. Parameters added to the optimizer later are covered,
+    since the hook reads ``param_groups`` at every step.
+    """
+
+    def bump(opt: torch.optim.Optimizer, args, kwargs) -> None:
+        torch.autograd.graph.increment_version([p for group in opt.param_groups for p in group["params"]])
+
+    return optimizer.register_step_post_hook(bump)
 
 
 class WeightCache:

@@ -37,6 +37,7 @@ from jetrl.fp8 import (
     get_recipe,
     model_recipe,
     refresh_weight_caches,
+    track_optimizer,
 )
 from jetrl.rewards import math_reward, resolve_reward_funcs
 from jetrl.rl.batch import RolloutBatch, completion_logprobs
@@ -77,6 +78,7 @@ class GRPOTrainer:
         self.optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay,
                                            betas=(args.adam_beta1, args.adam_beta2),
                                            fused=all(p.is_cuda for p in params) or None)
+        track_optimizer(self.optimizer)  # fused AdamW does not bump parameter versions: the FP8 caches key on them
         self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if args.beta > 0 else None
         self.engine = Engine(self.model, tokenizer, max_slots=args.generation_batch_size,
                              max_len=args.max_prompt_length + args.max_completion_length, **(engine_kwargs or {}))
