@@ -16,11 +16,13 @@ dirs are removed at the next save.
 
 Exact resume: the trainer derives every random choice (data order, sampling seeds) from
 ``(seed, step)`` and keeps master weights and optimizer state in full precision, so loading
-a checkpoint and continuing reproduces an uninterrupted run bit for bit on the same machine --
-on the CPU (tests/test_trainer.py kills a run with SIGKILL and resumes it). On a CUDA GPU it is
-exact up to the GPU's own nondeterminism: the same test run on an H200 (2026-11-30) found the
-resumed run's metrics differing from the uninterrupted run's; which kernels differ run to run
-(atomics in some backward kernels are the usual suspects) is not yet known.
+a checkpoint and continuing reproduces an uninterrupted run bit for bit on the same machine
+(tests/test_trainer.py kills a run with SIGKILL and resumes it; it passes on CPU and on an H200).
+On the GPU that rests on two facts measured there (bench/probe_determinism.py, the tiny model
+under `jet` and `bf16`): two uninterrupted runs are bit-identical, and every FP8 weight cache
+follows the optimizer. The latter failed until the trainer tracked its fused AdamW,
+which writes parameters without bumping their versions (jetrl/fp8/weight_cache.py): the
+uninterrupted run kept the first step's FP8 codes while the resumed one quantized the loaded weights.
 """
 
 from __future__ import annotations
