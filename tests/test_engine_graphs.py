@@ -154,10 +154,12 @@ def test_cuda_engine_logprobs_match_trainer_per_recipe(capsys, fused_ops):
 
 
 @requires_cuda
-def test_cuda_graphs_read_updated_fp8_weights_without_recapture():
-    """Zero weight sync: after an optimizer step the captured decode graphs read the new FP8 codes."""
+@pytest.mark.parametrize("recipe", ["jet", "bf16"])
+def test_cuda_graphs_read_updated_weights_without_recapture(recipe):
+    """Zero weight sync: after an optimizer step the captured decode graphs read the new FP8 codes
+    (``jet``) or the refreshed BF16 q/k/v stack (``bf16``, jetrl/models/stacked_qkv.py)."""
     torch.manual_seed(0)
-    model = fp8.convert_to_float8(tiny_model("qwen3").to("cuda"), fp8.get_recipe("jet"))
+    model = fp8.convert_to_float8(tiny_model("qwen3").to("cuda"), fp8.get_recipe(recipe))
     prompts, params = random_prompts([5, 9, 3]), SamplingParams(n=2, temperature=0, max_tokens=10)
     graphed = Engine(model, max_slots=6, max_len=40)
     graphed.generate(prompts, params)

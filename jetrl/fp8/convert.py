@@ -13,8 +13,9 @@ model's KV hook then quantizes->dequantizes K/V wherever the recipe says so (kv_
 happens even when no linear layer is FP8 (``fp8kv_rollout``). :func:`model_recipe` reads the
 recipe back from a converted model; the engine uses it to pick its KV cache format.
 
-One inference-only speedup is installed with the linear layers, which changes no value: projection
-groups (q/k/v and gate/up as one stacked GEMM, projection_group.py).
+Inference-only speedups are installed with the linear layers: projection groups (FP8 q/k/v and
+gate/up as one stacked GEMM, projection_group.py) and, for every recipe, ``bf16`` included, the
+BF16 q/k/v stack (jetrl/models/stacked_qkv.py), which takes over wherever q/k/v stay BF16.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from jetrl.fp8.kv_quant import KVQuant
 from jetrl.fp8.linear import Float8Linear
 from jetrl.fp8.projection_group import install_projection_groups
 from jetrl.fp8.recipe import Recipe, check_rollout_subgraph
+from jetrl.models.stacked_qkv import install_stacked_qkv, refresh_stacked_qkv
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 _SKIP_NAMES = ("lm_head", "embed", "norm", "mlp.gate", "router")
@@ -46,11 +48,12 @@ def default_module_filter(module: nn.Module, fqn: str) -> bool:
 def convert_to_float8(model: nn.Module, recipe: Recipe, module_filter: ModuleFilter = default_module_filter) -> nn.Module:
     """Swap the filtered ``nn.Linear`` modules of ``model`` in place; return ``model``.
 
-    Under ``bf16`` nothing is swapped. The parameters are shared, not copied, so optimizer
+    Under ``bf16`` no module is swapped. The parameters are shared, not copied, so optimizer
     state built before or after the transform stays valid. FP8 KV recipes also install the
     KV transform on every attention layer (module docstring), whatever the filter says.
     """
     check_rollout_subgraph(recipe)
+    install_stacked_qkv(model)  # BF16 q/k/v without autograd on CUDA: one GEMM (a no-op where they become FP8)
     if recipe.quantizes_kv:
         install_kv_quant(model, recipe)
     if not (recipe.train.is_fp8 or recipe.rollout.is_fp8):
@@ -131,9 +134,11 @@ def refresh_weight_caches(model: nn.Module) -> int:
     """Quantize every changed FP8 weight now (call after ``optimizer.step()``); returns how many layers.
 
     A weight whose version did not change is not quantized again: the cache is keyed by version.
+    The BF16 q/k/v stacks (jetrl/models/stacked_qkv.py) are brought up to date the same way.
     """
     modules = float8_modules(model)
     with torch.no_grad():
         for module in modules.values():
             module.quantized_weight()
+        refresh_stacked_qkv(model)
     return len(modules)

@@ -131,14 +131,20 @@ class Attention(nn.Module):
         # A transform of the final K/V when no cache is attached, ``(k, v) -> (k, v)``: None in the
         # pure model; the FP8 transform installs jetrl.fp8.kv_quant.KVQuant (quantize->dequantize).
         self.kv_quant: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
+        # q/k/v as one GEMM, ``(attn, x) -> (q, k, v) | None`` (None: use the three modules): None in the
+        # pure model; jetrl.fp8.convert_to_float8 installs jetrl.models.stacked_qkv.StackedQKV (BF16, no
+        # autograd, CUDA).
+        self.qkv_stack: Callable[[nn.Module, Tensor], tuple[Tensor, Tensor, Tensor] | None] | None = None
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, kv_cache: KVCache | None = None
     ) -> Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        stacked = self.qkv_stack(self, x) if self.qkv_stack is not None else None
+        q, k, v = stacked if stacked is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
         q, k = norm_rope(q, k, cos, sin, self.q_norm, self.k_norm)  # (B, H, T, D): q/k-norm (Qwen3), then RoPE
         v = v.transpose(1, 2)
         # KV hook: the single place where final K/V (post k-norm, post RoPE) exist.
