@@ -157,7 +157,7 @@ def test_cuda_engine_logprobs_match_trainer_per_recipe(capsys, fused_ops):
 @pytest.mark.parametrize("recipe", ["jet", "bf16"])
 def test_cuda_graphs_read_updated_weights_without_recapture(recipe):
     """Zero weight sync: after an optimizer step the captured decode graphs read the new FP8 codes
-    (``jet``) or the refreshed BF16 q/k/v stack (``bf16``, jetrl/models/stacked_qkv.py)."""
+    (``jet``) or the refreshed BF16 sibling stacks (``bf16``, jetrl/models/stacked_projections.py)."""
     torch.manual_seed(0)
     model = fp8.convert_to_float8(tiny_model("qwen3").to("cuda"), fp8.get_recipe(recipe))
     prompts, params = random_prompts([5, 9, 3]), SamplingParams(n=2, temperature=0, max_tokens=10)

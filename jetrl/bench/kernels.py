@@ -310,8 +310,8 @@ def _stacking_row(cfg: BenchConfig, m: int, device: torch.device, graph: dict) -
     """q, k, v, gate, up as five GEMMs against two stacked ones (qkv, gate_up), BF16 and FP8 (``jet`` rollout).
 
     What the FP8 projection groups (jetrl/fp8/projection_group.py) save, and what stacking saves BF16:
-    ``bf16_qkv_stacked`` is what the BF16 engine runs (jetrl/models/stacked_qkv.py: q/k/v stacked,
-    gate and up separate), ``bf16_stacked`` both groups stacked.
+    ``bf16_stacked`` is what the BF16 engine runs (jetrl/models/stacked_projections.py), ``bf16_qkv_stacked``
+    q/k/v stacked with gate and up separate.
     """
     q_out, kv_out = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     sizes = {"q": q_out, "k": kv_out, "v": kv_out, "gate": cfg.intermediate, "up": cfg.intermediate}

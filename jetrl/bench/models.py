@@ -7,7 +7,7 @@ own init (normal(0, 0.02) weights, unit norms): random, never zero.
 Switching recipes: ``convert_to_float8`` only swaps plain ``nn.Linear`` modules, so converting
 a converted model again would keep the old recipe. :func:`set_recipe` first undoes the
 transform -- every ``Float8Linear`` back to an ``nn.Linear`` holding the *same* Parameters,
-every attention ``kv_quant`` and ``qkv_stack`` back to None -- then converts with the new recipe. No weight is
+every attention ``kv_quant`` and every BF16 sibling stack back to None -- then converts with the new recipe. No weight is
 copied; FP8 weight caches die with their modules.
 
 Decode bytes (the bytes floor of a decode step, sections d and e): one step over B rows reads
@@ -30,6 +30,7 @@ from torch import nn
 
 from jetrl.fp8 import Float8Linear, convert_to_float8, float8_modules, get_recipe
 from jetrl.models import CausalLM, ModelConfig
+from jetrl.models.stacked_projections import remove_stacked_projections
 
 
 @contextlib.contextmanager
@@ -61,8 +62,7 @@ def strip_precision(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if getattr(module, "kv_quant", None) is not None:
             module.kv_quant = None
-        if getattr(module, "qkv_stack", None) is not None:
-            module.qkv_stack = None  # frees the BF16 q/k/v copy; convert_to_float8 installs a fresh one
+    remove_stacked_projections(model)  # frees the BF16 copies; convert_to_float8 installs fresh stacks
     return model
 
 

@@ -61,7 +61,7 @@ from jetrl.fp8 import float8_modules, precision_phase
 from jetrl.fp8.convert import model_recipe
 from jetrl.fp8.kernels import has_triton
 from jetrl.models.fused import fused_ops_requested
-from jetrl.models.stacked_qkv import refresh_stacked_qkv
+from jetrl.models.stacked_projections import refresh_stacked_projections
 
 
 @dataclass
@@ -184,11 +184,11 @@ class Engine:
 
     def _check_graph_weights(self) -> None:
         """Drop CUDA graphs if a parameter moved, an FP8 weight was re-quantized into new buffers, a BF16
-        q/k/v stack was reallocated or the fused-ops switch (models/fused.py) changed since capture. Stale
+        sibling stack was reallocated or the fused-ops switch (models/fused.py) changed since capture. Stale
         FP8 codes and stacks are refreshed here, in place, before any replay reads them."""
         # quantized_weight() reads (and if stale fills) the same cache entry the rollout forward reads
         codes = [m.quantized_weight() for m in float8_modules(self.model).values() if m.recipe.rollout.is_fp8]
-        stacks = refresh_stacked_qkv(self.model)  # BF16 q/k/v copies, refreshed in place like the FP8 codes
+        stacks = refresh_stacked_projections(self.model)  # BF16 sibling copies, refreshed in place like FP8 codes
         fingerprint = (tuple(p.data_ptr() for p in self.model.parameters()), tuple(id(q) for q in codes),
                        tuple(w.data_ptr() for w in stacks), fused_ops_requested())
         if fingerprint != self._fingerprint:

@@ -15,7 +15,8 @@ recipe back from a converted model; the engine uses it to pick its KV cache form
 
 Inference-only speedups are installed with the linear layers: projection groups (FP8 q/k/v and
 gate/up as one stacked GEMM, projection_group.py) and, for every recipe, ``bf16`` included, the
-BF16 q/k/v stack (jetrl/models/stacked_qkv.py), which takes over wherever q/k/v stay BF16.
+BF16 q/k/v and gate/up stacks (jetrl/models/stacked_projections.py), which take over wherever those
+siblings stay BF16.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from jetrl.fp8.kv_quant import KVQuant
 from jetrl.fp8.linear import Float8Linear
 from jetrl.fp8.projection_group import install_projection_groups
 from jetrl.fp8.recipe import Recipe, check_rollout_subgraph
-from jetrl.models.stacked_qkv import install_stacked_qkv, refresh_stacked_qkv
+from jetrl.models.stacked_projections import install_stacked_projections, refresh_stacked_projections
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 _SKIP_NAMES = ("lm_head", "embed", "norm", "mlp.gate", "router")
@@ -53,7 +54,7 @@ def convert_to_float8(model: nn.Module, recipe: Recipe, module_filter: ModuleFil
     KV transform on every attention layer (module docstring), whatever the filter says.
     """
     check_rollout_subgraph(recipe)
-    install_stacked_qkv(model)  # BF16 q/k/v without autograd on CUDA: one GEMM (a no-op where they become FP8)
+    install_stacked_projections(model)  # BF16 q/k/v, gate/up without autograd on CUDA: one GEMM each (not for FP8)
     if recipe.quantizes_kv:
         install_kv_quant(model, recipe)
     if not (recipe.train.is_fp8 or recipe.rollout.is_fp8):
@@ -134,11 +135,11 @@ def refresh_weight_caches(model: nn.Module) -> int:
     """Quantize every changed FP8 weight now (call after ``optimizer.step()``); returns how many layers.
 
     A weight whose version did not change is not quantized again: the cache is keyed by version.
-    The BF16 q/k/v stacks (jetrl/models/stacked_qkv.py) are brought up to date the same way.
+    The BF16 sibling stacks (jetrl/models/stacked_projections.py) are brought up to date the same way.
     """
     modules = float8_modules(model)
     with torch.no_grad():
         for module in modules.values():
             module.quantized_weight()
-        refresh_stacked_qkv(model)
+        refresh_stacked_projections(model)
     return len(modules)

@@ -132,9 +132,9 @@ class Attention(nn.Module):
         # pure model; the FP8 transform installs jetrl.fp8.kv_quant.KVQuant (quantize->dequantize).
         self.kv_quant: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None
         # q/k/v as one GEMM, ``(attn, x) -> (q, k, v) | None`` (None: use the three modules): None in the
-        # pure model; jetrl.fp8.convert_to_float8 installs jetrl.models.stacked_qkv.StackedQKV (BF16, no
-        # autograd, CUDA).
-        self.qkv_stack: Callable[[nn.Module, Tensor], tuple[Tensor, Tensor, Tensor] | None] | None = None
+        # pure model; jetrl.fp8.convert_to_float8 installs jetrl.models.stacked_projections.StackedProjections
+        # (BF16, no autograd, CUDA).
+        self.qkv_stack: Callable[[nn.Module, Tensor], tuple[Tensor, ...] | None] | None = None
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, kv_cache: KVCache | None = None
@@ -196,9 +196,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
+        # gate/up as one GEMM, like ``Attention.qkv_stack``: None in the pure model
+        self.gate_up_stack: Callable[[nn.Module, Tensor], tuple[Tensor, ...] | None] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))  # silu(gate) * up
+        stacked = self.gate_up_stack(self, x) if self.gate_up_stack is not None else None
+        gate, up = stacked if stacked is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(silu_mul(gate, up))  # silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
