@@ -185,3 +185,45 @@ def test_gpu_paths_compile_for_hopper():
     silu = compile_for_sm90(fused_triton._silu_mul_kernel, {"BLOCK": 1024, "DTYPE": tl.bfloat16, "EMULATE": False},
                             {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*bf16"})
     assert norm.asm["cubin"] and silu.asm["cubin"]
+
+
+TRANSPOSE_SCRIPT = r"""
+import torch
+from jetrl.fp8.kernels.transpose_triton import transpose_triton
+from jetrl.fp8.quant import quantize, transpose_codes
+from jetrl.fp8.recipe import get_recipe
+from jetrl.fp8.weight_cache import WeightCache
+
+torch.manual_seed(0)
+for shape in [(256, 128), (200, 72), (1, 65), (130, 1)]:
+    codes = (torch.randn(shape) * 100).to(torch.float8_e4m3fn)
+    want = codes.t().contiguous()
+    got = transpose_triton(codes)
+    assert got.is_contiguous() and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), shape
+    out = torch.empty_like(want)
+    assert transpose_codes(codes, out=out) is out and torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+# the weight cache's W^T after an update, written in place through the kernel
+w = torch.nn.Parameter(torch.randn(256, 384))
+spec = get_recipe("jet").train.weight
+cache = WeightCache("w")
+first = cache.get_transposed(w, spec)
+with torch.no_grad():
+    w.mul_(-3.0)
+again = cache.get_transposed(w, spec)
+assert again is first
+want = quantize(w.detach(), spec.block).codes.t().contiguous()
+assert torch.equal(again.codes.view(torch.uint8), want.view(torch.uint8))
+try:
+    transpose_triton(torch.zeros(4, 4))
+    raise SystemExit("a 4-byte tensor was accepted")
+except ValueError as e:
+    assert "one-byte" in str(e)
+print("OK")
+"""
+
+
+def test_code_transpose_matches_reference_in_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "JETRL_QUANT_BACKEND": "triton"}
+    proc = subprocess.run([sys.executable, "-c", TRANSPOSE_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr[-3000:]

@@ -120,7 +120,7 @@ class Float8Blocks:
         Exact for square blocks: block (i, j) of W is block (j, i) of W^T with the same scale.
         This is how dgrad gets W^T from the weight cache.
         """
-        return Float8Blocks(self.codes.t().contiguous(), self.scales.t().contiguous(), self.block[::-1])
+        return Float8Blocks(transpose_codes(self.codes), self.scales.t().contiguous(), self.block[::-1])
 
     def t_layout(self) -> Float8Blocks:
         """A view with the shapes of :meth:`t` (no copy); for layout comparisons."""
@@ -238,6 +238,17 @@ def quant_backend(device: torch.device) -> str:
             env = "triton" if device.type == "cuda" and has_triton() else "reference"
         backend = _backend_by_type[device.type] = env
     return backend
+
+
+def transpose_codes(codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``codes.t().contiguous()``, written into ``out`` if given: a tiled Triton transpose where the
+    quantizer runs Triton (jetrl/fp8/kernels/transpose_triton.py: the strided copy is slow for one-byte
+    elements), the strided copy elsewhere. Bit-identical either way."""
+    if quant_backend(codes.device) == "triton" and codes.dim() == 2 and codes.is_contiguous():
+        from jetrl.fp8.kernels.transpose_triton import transpose_triton
+
+        return transpose_triton(codes, out)
+    return codes.t().contiguous() if out is None else out.copy_(codes.t())
 
 
 def _implementation(device: torch.device, block: tuple[int, int]) -> Callable:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from jetrl.fp8.quant import E4M3, Float8Blocks, assert_finite, quantize
+from jetrl.fp8.quant import E4M3, Float8Blocks, assert_finite, quantize, transpose_codes
 from jetrl.fp8.recipe import QuantSpec
 
 
@@ -92,7 +92,7 @@ class WeightCache:
         if self._weight_t is None or not _same_layout(self._weight_t, quantized.t_layout()):
             self._weight_t = quantized.t().memoize() if quantized.codes.device.type == "cpu" else quantized.t()
         elif self._transposed_stale:
-            self._weight_t.codes.copy_(quantized.codes.t())
+            transpose_codes(quantized.codes, out=self._weight_t.codes)
             self._weight_t.scales.copy_(quantized.scales.t())
             self._weight_t.forget()
         self._transposed_stale = False
