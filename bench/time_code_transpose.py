@@ -39,8 +39,8 @@ def main() -> None:
         out = torch.empty(k, n, dtype=codes.dtype, device="cuda")
         want = codes.t().contiguous()
         assert torch.equal(transpose_triton(codes, out).view(torch.uint8), want.view(torch.uint8)), name
-        copy = time_ms(lambda: out.copy_(codes.t()))
-        tri = time_ms(lambda: transpose_triton(codes, out))
+        copy = time_ms(lambda c=codes, o=out: o.copy_(c.t()))
+        tri = time_ms(lambda c=codes, o=out: transpose_triton(c, o))
         gbs = 2 * n * k / 1e9
         rows.append({"name": name, "shape": [n, k], "copy_ms": copy, "triton_ms": tri,
                      "copy_TBs": gbs / copy, "triton_TBs": gbs / tri})
