@@ -54,7 +54,7 @@ def test_one_step_changes_parameters_and_logs_every_metric():
 def test_fp8_weight_caches_follow_a_fused_optimizer(monkeypatch):
     """CUDA trains with AdamW(fused=True), which writes parameters without bumping their versions;
     the FP8 caches key on the version, so without the trainer's hook every FP8 forward after the first
-    step would read the first step's codes (the GPU runs of 791ca66..this test did). Forced on CPU here."""
+    step would read the first step's codes (every GPU run from 791ca66 until the fix did). Forced on CPU here."""
     real = torch.optim.AdamW
     monkeypatch.setattr(torch.optim, "AdamW", lambda params, **kw: real(params, **{**kw, "fused": True}))
     trainer = _trainer("jet")

@@ -7,8 +7,8 @@ own init (normal(0, 0.02) weights, unit norms): random, never zero.
 Switching recipes: ``convert_to_float8`` only swaps plain ``nn.Linear`` modules, so converting
 a converted model again would keep the old recipe. :func:`set_recipe` first undoes the
 transform -- every ``Float8Linear`` back to an ``nn.Linear`` holding the *same* Parameters,
-every attention ``kv_quant`` and every BF16 sibling stack back to None -- then converts with the new recipe. No weight is
-copied; FP8 weight caches die with their modules.
+every attention ``kv_quant`` and every BF16 sibling stack back to None -- then converts with the
+new recipe. No weight is copied; FP8 weight caches and BF16 stacks die with their modules.
 
 Decode bytes (the bytes floor of a decode step, sections d and e): one step over B rows reads
 

@@ -11,9 +11,9 @@ write. **Fused optimizers do not bump it**: ``torch.optim.AdamW(fused=True)`` wr
 parameters through one kernel and leaves ``_version`` unchanged (measured with torch 2.13 on CPU;
 on the H200, torch 2.11, a killed-and-resumed ``jet`` run diverged from the uninterrupted one at
 the first step after the resume, because the resumed process quantized the updated weights;
-tests/test_trainer.py forces the fused optimizer on CPU). Without help, every FP8 forward after such a step
-would read the first step's codes -- trainer and rollout alike, so the mismatch metrics would
-stay at zero while the FP8 policy never moved. :func:`track_optimizer` closes the gap: a step
+tests/test_trainer.py forces the fused optimizer on CPU). Without help, every FP8 forward after
+such a step would read the first step's codes -- trainer and rollout alike, so the mismatch
+metrics would stay at zero while the FP8 policy never moved. :func:`track_optimizer` closes the gap: a step
 post-hook that bumps the version of every parameter the optimizer holds (the trainer installs
 it). Other writes that bypass the counter (``param.data.copy_(...)``, a custom kernel) must call
 :meth:`invalidate`. The trainer calls :func:`jetrl.fp8.refresh_weight_caches` after each optimizer

@@ -3,9 +3,10 @@
 Why: dgrad reads the weight as W^T (K-major for the FP8 tensor cores), and the weight cache derives
 it from the cached codes after every optimizer step (jetrl/fp8/weight_cache.py). PyTorch's generic
 ``copy_`` of a transposed one-byte view reads with a stride of C bytes per element: 0.33 TB/s on the
-H200, 42.1 ms per optimizer step for the 36 layers of an 8B model, against 6.5 ms here (0.9-3.0 TB/s;
-``bench/time_code_transpose.py``, docs/benchmarks.md section f). Here each program loads a BLOCK x BLOCK tile coalesced along C, transposes it in
-registers/shared memory (``tl.trans``) and stores it coalesced along R. The reference (the spec) is
+H200, 42.1 ms per optimizer step for the 36 layers of an 8B model, against 6.5 ms here (0.9-3.0
+TB/s; ``bench/time_code_transpose.py``, docs/benchmarks.md section f). Here each program loads a
+BLOCK x BLOCK tile coalesced along C, transposes it in registers/shared memory (``tl.trans``) and
+stores it coalesced along R. The reference (the spec) is
 ``src.t().contiguous()``; the result is bit-identical (a permutation of bytes).
 """
 
