@@ -18,6 +18,7 @@ from jetrl.models.stacked_projections import (
     StackedProjections,
     install_stacked_projections,
     refresh_stacked_projections,
+    stacked_bytes,
 )
 from jetrl.models.tiny import tiny_model_config
 
@@ -136,3 +137,31 @@ def test_cuda_bf16_model_stacks_and_matches_three_gemms():
         got = model(ids).float()
     assert calls[0] == 0 and model.model.layers[0].mlp.gate_up_stack.weight.is_cuda
     assert (got - expected).abs().max().item() <= 0.05 * expected.abs().max().item()
+
+
+def test_switch_off_installs_no_stack_and_a_bad_value_is_named(monkeypatch):
+    monkeypatch.setenv("JETRL_BF16_STACKS", "0")
+    model = fp8.convert_to_float8(_model(), fp8.get_recipe("bf16"))
+    assert model.model.layers[0].self_attn.qkv_stack is None and model.model.layers[0].mlp.gate_up_stack is None
+    monkeypatch.setenv("JETRL_BF16_STACKS", "yes")
+    with pytest.raises(ValueError, match="JETRL_BF16_STACKS='yes' is not a valid choice"):
+        install_stacked_projections(_model())
+
+
+def test_out_of_memory_advice_names_the_stacks_when_they_hold_memory():
+    from jetrl.rl.config import GRPOConfig
+    from jetrl.rl.memory import advice
+
+    model = _model()
+    install_stacked_projections(model, devices=("cpu",))
+    assert stacked_bytes(model) == 0
+    with torch.no_grad():
+        model(torch.randint(0, model.config.vocab_size, (1, 4)))
+    layer = model.model.layers[0]
+    per_layer = sum(m.weight.numel() for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                                               layer.mlp.gate_proj, layer.mlp.up_proj)) * 4  # fp32
+    assert stacked_bytes(model) == per_layer * model.config.num_hidden_layers
+    args = GRPOConfig(per_device_train_batch_size=2, gradient_accumulation_steps=1, generation_batch_size=4,
+                      num_generations=2)
+    assert "JETRL_BF16_STACKS=0" in advice("update", args, stacked_bytes(model))
+    assert "JETRL_BF16_STACKS" not in advice("rollout", args, 0)

@@ -11,7 +11,9 @@ this gives the BF16 baseline the same advantage, so that FP8-vs-BF16 ratios comp
 
 The BF16 weights are the trainer's parameters, so a stack is a *copy*: q/k/v and gate/up once more
 (9.0 GB at Qwen3-8B, 55% of its weights; a rollout engine such as vLLM next to a trainer holds a
-copy of every weight).
+copy of every weight). Where memory is short, ``JETRL_BF16_STACKS=0`` (read when the model is
+converted) installs no stacks: separate GEMMs, no copy. The trainer's out-of-memory message says so
+when stacks hold memory (jetrl/rl/memory.py).
 
 Freshness: a stack is keyed by each member's ``(data_ptr, _version)`` and refreshed in place (same
 buffer, so a CUDA graph that captured the stacked GEMM reads the new weights) whenever an eager
@@ -33,6 +35,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from jetrl.overrides import env_choice
+
+ENV = "JETRL_BF16_STACKS"
 
 # the module slot that holds a stack -> the sibling projections it stacks (HF names, as jetrl.models uses them)
 SLOTS = {"qkv_stack": ("q_proj", "k_proj", "v_proj"), "gate_up_stack": ("gate_proj", "up_proj")}
@@ -110,8 +116,17 @@ class StackedProjections:
         self._key = None
 
 
+def stacks_enabled() -> bool:
+    """False when ``JETRL_BF16_STACKS=0`` (module docstring)."""
+    return env_choice(ENV, ("0", "1"), "1 = one GEMM per sibling group in BF16 rollouts, 0 = separate GEMMs and "
+                      "no stacked copy") != "0"
+
+
 def install_stacked_projections(model: nn.Module, devices: tuple[str, ...] = ("cuda",)) -> int:
-    """Fill every stack slot of ``model`` (``SLOTS``) with a :class:`StackedProjections`; returns how many."""
+    """Fill every stack slot of ``model`` (``SLOTS``) with a :class:`StackedProjections`; returns how many
+    (none when ``JETRL_BF16_STACKS=0``)."""
+    if not stacks_enabled():
+        return 0
     count = 0
     for module in model.modules():
         for slot, names in SLOTS.items():
@@ -134,6 +149,18 @@ def refresh_stacked_projections(model: nn.Module) -> list[Tensor]:
                 if members is not None and members[0].weight.device.type in stack.devices:
                     buffers.append(stack.stacked(members)[0])
     return buffers
+
+
+def stacked_bytes(model: nn.Module) -> int:
+    """Device bytes held by the stacked copies of ``model`` now."""
+    total = 0
+    for module in model.modules():
+        for slot in SLOTS:
+            stack = getattr(module, slot, None)
+            if isinstance(stack, StackedProjections):
+                for t in (stack.weight, stack.bias):
+                    total += 0 if t is None else t.numel() * t.element_size()
+    return total
 
 
 def remove_stacked_projections(model: nn.Module) -> None:

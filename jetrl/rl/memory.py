@@ -22,7 +22,9 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch import nn
 
+from jetrl.models.stacked_projections import stacked_bytes
 from jetrl.rl.config import GRPOConfig
 
 
@@ -30,22 +32,29 @@ class StepOutOfMemoryError(torch.OutOfMemoryError):
     """A phase of an RL step ran out of device memory; the message names the settings to lower."""
 
 
-def advice(phase: str, args: GRPOConfig) -> str:
-    """What to lower when ``phase`` ("rollout", "old_logprobs" or "update") runs out of memory."""
+def advice(phase: str, args: GRPOConfig, stacked_bytes: int = 0) -> str:
+    """What to lower when ``phase`` ("rollout", "old_logprobs" or "update") runs out of memory; ``stacked_bytes``:
+    what the BF16 sibling stacks hold (jetrl/models/stacked_projections.py)."""
     context = args.max_prompt_length + args.max_completion_length
     if phase == "rollout":
-        return (f"the engine's KV cache holds generation_batch_size={args.generation_batch_size} rows of up to "
+        text = (f"the engine's KV cache holds generation_batch_size={args.generation_batch_size} rows of up to "
                 f"{context} positions: lower grpo.generation_batch_size or grpo.max_completion_length, or use the "
                 "recipe jet_kv (an FP8 cache, about half the bytes)")
-    return (f"each micro-batch holds per_device_train_batch_size={args.per_device_train_batch_size} sequences of up "
-            f"to {context} tokens (activations and their vocabulary-wide logits): lower "
-            "grpo.per_device_train_batch_size and raise grpo.gradient_accumulation_steps by the same factor (the "
-            "batch per update stays the same)")
+    else:
+        text = (f"each micro-batch holds per_device_train_batch_size={args.per_device_train_batch_size} sequences of "
+                f"up to {context} tokens (activations and their vocabulary-wide logits): lower "
+                "grpo.per_device_train_batch_size and raise grpo.gradient_accumulation_steps by the same factor (the "
+                "batch per update stays the same)")
+    if stacked_bytes:
+        text += (f"; the BF16 rollout's stacked q/k/v and gate/up weights hold {stacked_bytes / 2**30:.1f} GiB: "
+                 "JETRL_BF16_STACKS=0 runs them as separate GEMMs without that copy")
+    return text
 
 
 @contextlib.contextmanager
-def oom_advice(phase: str, args: GRPOConfig, step: int) -> Iterator[None]:
-    """Re-raise a ``torch.OutOfMemoryError`` inside the block as a :class:`StepOutOfMemoryError` with advice."""
+def oom_advice(phase: str, args: GRPOConfig, step: int, model: nn.Module | None = None) -> Iterator[None]:
+    """Re-raise a ``torch.OutOfMemoryError`` inside the block as a :class:`StepOutOfMemoryError` with advice
+    (``model``: to tell what its BF16 sibling stacks hold)."""
     try:
         yield
     except StepOutOfMemoryError:
@@ -53,5 +62,6 @@ def oom_advice(phase: str, args: GRPOConfig, step: int) -> Iterator[None]:
     except torch.OutOfMemoryError as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
         raise StepOutOfMemoryError(
-            f"step {step}: the {phase} phase ran out of device memory ({first_line}); {advice(phase, args)}; "
+            f"step {step}: the {phase} phase ran out of device memory ({first_line}); "
+            f"{advice(phase, args, stacked_bytes(model) if model is not None else 0)}; "
             "then resume from the last checkpoint (jetrl train --run-dir DIR --resume)") from exc

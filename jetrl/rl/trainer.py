@@ -121,16 +121,16 @@ class GRPOTrainer:
         args, step = self.args, self.step
         t0 = time.time()
         idx = self.prompt_indices(step)
-        with oom_advice("rollout", args, step):
+        with oom_advice("rollout", args, step, self.model):
             batch, metrics, _ = rollout(self.engine, [self.prompt_ids[i] for i in idx],
                                         [self.records[i] for i in idx], self.reward_funcs, args,
                                         seed=args.seed * 1_000_003 + step, accuracy_func=self.accuracy_func)
         t1 = time.time()
         if batch is not None:
-            with oom_advice("old_logprobs", args, step):
+            with oom_advice("old_logprobs", args, step, self.model):
                 self._old_logprobs(batch, metrics)
             t2 = time.time()
-            with oom_advice("update", args, step):
+            with oom_advice("update", args, step, self.model):
                 self._update(batch, metrics)
         else:
             t2 = t1
