@@ -67,6 +67,13 @@ def test_fp8_weight_caches_follow_a_fused_optimizer(monkeypatch):
         assert torch.equal(module.quantized_weight().codes.view(torch.uint8), fresh.codes.view(torch.uint8)), name
 
 
+def test_reference_model_keeps_no_bf16_stack():
+    trainer = _trainer("bf16", beta=0.05)
+    assert trainer.model.model.layers[0].self_attn.qkv_stack is not None  # the policy's rollout stacks (on CUDA)
+    assert all(layer.self_attn.qkv_stack is None and layer.mlp.gate_up_stack is None
+               for layer in trainer.ref_model.model.layers)
+
+
 @pytest.mark.parametrize("recipe, source", [("bf16", "recompute"), ("fp8_rollout", "recompute"), ("jet", "rollout"),
                                             ("jet_kv", "rollout"), ("fp8kv_rollout", "recompute")])
 def test_old_logprobs_source_and_mismatch_per_recipe(recipe, source):

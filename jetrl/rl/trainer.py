@@ -39,6 +39,7 @@ from jetrl.fp8 import (
     refresh_weight_caches,
     track_optimizer,
 )
+from jetrl.models.stacked_projections import remove_stacked_projections
 from jetrl.rewards import math_reward, resolve_reward_funcs
 from jetrl.rl.batch import RolloutBatch, completion_logprobs
 from jetrl.rl.config import GRPOConfig
@@ -80,6 +81,8 @@ class GRPOTrainer:
                                            fused=all(p.is_cuda for p in params) or None)
         track_optimizer(self.optimizer)  # fused AdamW does not bump parameter versions: the FP8 caches key on them
         self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if args.beta > 0 else None
+        if self.ref_model is not None:  # it scores whole sequences (large M): a stacked BF16 copy would buy nothing
+            remove_stacked_projections(self.ref_model)
         self.engine = Engine(self.model, tokenizer, max_slots=args.generation_batch_size,
                              max_len=args.max_prompt_length + args.max_completion_length, **(engine_kwargs or {}))
         self.step = 0
