@@ -120,24 +120,32 @@ class GRPOTrainer:
         return history
 
     # ------------------------------------------------------------------ one RL step
+    def _clock(self) -> float:
+        """Wall time after the device's queued work: phase times count their own GPU work, not the
+        previous phase's (CUDA runs asynchronously; a sync per phase costs nothing measurable)."""
+        device = next(self.model.parameters()).device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.time()
+
     def train_step(self) -> dict[str, float]:
         args, step = self.args, self.step
-        t0 = time.time()
+        t0 = self._clock()
         idx = self.prompt_indices(step)
         with oom_advice("rollout", args, step, self.model):
             batch, metrics, _ = rollout(self.engine, [self.prompt_ids[i] for i in idx],
                                         [self.records[i] for i in idx], self.reward_funcs, args,
                                         seed=args.seed * 1_000_003 + step, accuracy_func=self.accuracy_func)
-        t1 = time.time()
+        t1 = self._clock()
         if batch is not None:
             with oom_advice("old_logprobs", args, step, self.model):
                 self._old_logprobs(batch, metrics)
-            t2 = time.time()
+            t2 = self._clock()
             with oom_advice("update", args, step, self.model):
                 self._update(batch, metrics)
         else:
             t2 = t1
-        t3 = time.time()
+        t3 = self._clock()
         self.step += 1
         metrics.update({
             "time/rollout": t1 - t0, "time/old_logprobs": t2 - t1, "time/update": t3 - t2, "time/step": t3 - t0,
