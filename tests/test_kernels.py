@@ -15,6 +15,15 @@ pytest.importorskip("triton")
 
 from .conftest import compile_for_sm90  # noqa: E402 -- after the skip: needs Triton
 
+
+def _run_in_interpreter(script: str, triton_quantizer: bool = False) -> None:
+    """Run ``script`` in a fresh process under TRITON_INTERPRET=1 (``triton_quantizer``: every ``quantize``
+    takes the Triton kernel too); it must print OK."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", **({"JETRL_QUANT_BACKEND": "triton"} if triton_quantizer else {})}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr[-3000:]
+
+
 SCRIPT = r"""
 import torch
 from jetrl.fp8.quant import quantize_reference
@@ -39,9 +48,7 @@ print("OK")
 
 
 def test_quant_kernel_matches_reference_in_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr[-3000:]
+    _run_in_interpreter(SCRIPT)
 
 
 DUAL_AND_GEMM_SCRIPT = r"""
@@ -101,10 +108,7 @@ print("OK")
 
 
 def test_dual_quant_and_small_m_gemm_match_references_in_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "JETRL_QUANT_BACKEND": "triton"}
-    proc = subprocess.run([sys.executable, "-c", DUAL_AND_GEMM_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr[-3000:]
+    _run_in_interpreter(DUAL_AND_GEMM_SCRIPT, triton_quantizer=True)
 
 
 FAKE_QUANT_KV_SCRIPT = r"""
@@ -143,10 +147,7 @@ print("OK")
 
 
 def test_fake_quant_kv_kernel_matches_reference_in_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", FAKE_QUANT_KV_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr[-3000:]
+    _run_in_interpreter(FAKE_QUANT_KV_SCRIPT)
 
 
 def test_gpu_paths_compile_for_hopper():
@@ -223,7 +224,4 @@ print("OK")
 
 
 def test_code_transpose_matches_reference_in_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "JETRL_QUANT_BACKEND": "triton"}
-    proc = subprocess.run([sys.executable, "-c", TRANSPOSE_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr[-3000:]
+    _run_in_interpreter(TRANSPOSE_SCRIPT, triton_quantizer=True)

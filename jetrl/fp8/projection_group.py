@@ -41,11 +41,12 @@ from jetrl.fp8.gemm import fp8_gemm
 from jetrl.fp8.input_memo import InputMemo
 from jetrl.fp8.quant import BLOCK, E4M3, Float8Blocks
 from jetrl.fp8.recipe import LinearPrecision, QuantSpec
+from jetrl.models.stacked_projections import SLOTS
 
 if TYPE_CHECKING:
     from jetrl.fp8.linear import Float8Linear
 
-SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # HF names, as jetrl.models uses them
+SIBLINGS = tuple(SLOTS.values())  # q/k/v, gate/up: the siblings the BF16 stacks take too
 
 
 class ProjectionGroup:

@@ -32,6 +32,8 @@ batch-invariance tolerance already allows; tests/test_stacked_projections.py).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -40,7 +42,8 @@ from jetrl.overrides import env_choice
 
 ENV = "JETRL_BF16_STACKS"
 
-# the module slot that holds a stack -> the sibling projections it stacks (HF names, as jetrl.models uses them)
+# the module slot that holds a stack -> the sibling projections it stacks (HF names, as jetrl.models uses them;
+# the FP8 projection groups stack the same siblings)
 SLOTS = {"qkv_stack": ("q_proj", "k_proj", "v_proj"), "gate_up_stack": ("gate_proj", "up_proj")}
 
 
@@ -137,35 +140,33 @@ def install_stacked_projections(model: nn.Module, devices: tuple[str, ...] = ("c
     return count
 
 
-def refresh_stacked_projections(model: nn.Module) -> list[Tensor]:
-    """Bring every installed stack up to date now (eagerly, outside any CUDA graph); returns the stacked
-    weights in use, so a caller can tell whether one was reallocated."""
-    buffers = []
+def _installed(model: nn.Module) -> Iterator[tuple[nn.Module, str, StackedProjections]]:
+    """(module, slot, stack) for every installed stack of ``model``."""
     for module in model.modules():
         for slot in SLOTS:
             stack = getattr(module, slot, None)
             if isinstance(stack, StackedProjections):
-                members = stack.members(module)
-                if members is not None and members[0].weight.device.type in stack.devices:
-                    buffers.append(stack.stacked(members)[0])
+                yield module, slot, stack
+
+
+def refresh_stacked_projections(model: nn.Module) -> list[Tensor]:
+    """Bring every installed stack up to date now (eagerly, outside any CUDA graph); returns the stacked
+    weights in use, so a caller can tell whether one was reallocated."""
+    buffers = []
+    for module, _, stack in _installed(model):
+        members = stack.members(module)
+        if members is not None and members[0].weight.device.type in stack.devices:
+            buffers.append(stack.stacked(members)[0])
     return buffers
 
 
 def stacked_bytes(model: nn.Module) -> int:
     """Device bytes held by the stacked copies of ``model`` now."""
-    total = 0
-    for module in model.modules():
-        for slot in SLOTS:
-            stack = getattr(module, slot, None)
-            if isinstance(stack, StackedProjections):
-                for t in (stack.weight, stack.bias):
-                    total += 0 if t is None else t.numel() * t.element_size()
-    return total
+    return sum(t.numel() * t.element_size() for _, _, stack in _installed(model)
+               for t in (stack.weight, stack.bias) if t is not None)
 
 
 def remove_stacked_projections(model: nn.Module) -> None:
     """Empty every stack slot (frees the copies)."""
-    for module in model.modules():
-        for slot in SLOTS:
-            if getattr(module, slot, None) is not None:
-                setattr(module, slot, None)
+    for module, slot, _ in list(_installed(model)):
+        setattr(module, slot, None)
