@@ -1,11 +1,12 @@
 """Profile of one engine decode step (CUDA-graph replay, 4 layers of an 8B-shaped Qwen3 + lm_head,
-B = 256, mean context 640) under `bf16`, `jet` and `jet_kv`: kernels per step and GPU time per kernel.
-The evidence behind docs/benchmarks.md section (d). GPU only.
+B = ``BATCH`` rows (default 256; section (g)'s rollout runs 64), mean context 640) under `bf16`, `jet` and
+`jet_kv`: kernels per step and GPU time per kernel. The evidence behind docs/benchmarks.md section (d). GPU only.
 
     PYTHONPATH=. python3 bench/profile_decode_step.py
 """
 
 import collections
+import os
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -19,19 +20,20 @@ from jetrl.fp8 import precision_phase
 
 def main() -> None:
     DEV = torch.device("cuda")
+    B = int(os.environ.get("BATCH", "256"))
     cfg = h200_config(layers=4)
     model = random_model(cfg.model_config(4), DEV, torch.bfloat16)
     for recipe in ("bf16", "jet", "jet_kv"):
         set_recipe(model, recipe)
-        lengths = spread_lengths(256, 640)
-        engine = Engine(model, max_slots=256, max_len=max(lengths) + 2)
+        lengths = spread_lengths(B, 640)
+        engine = Engine(model, max_slots=B, max_len=max(lengths) + 2)
         fill_cache(engine.cache, model.config, lengths, DEV, torch.bfloat16)
         with torch.no_grad(), precision_phase("rollout"):
-            engine.graphs(256)
+            engine.graphs(B)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
-                    engine.graphs(256)
+                    engine.graphs(B)
                 torch.cuda.synchronize()
         ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         tot = collections.defaultdict(lambda: [0, 0.0])
@@ -49,7 +51,7 @@ def main() -> None:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(20):
-            engine.graphs(256)
+            engine.graphs(B)
         torch.cuda.synchronize()
         print("replay ms", (time.perf_counter() - t0) / 20 * 1e3)
         del engine

@@ -1,17 +1,19 @@
 """Profile of the training phase's update (fwd + bwd + AdamW over 2 micro-batches of 8 x 1152 tokens) on
-the 8-layer 8B-shaped model of ``jetrl bench`` section (f), under `bf16` and `jet`: GPU time per kernel
-and per kind of kernel. The evidence behind docs/benchmarks.md section (f). GPU only.
+the 8B-shaped model of ``jetrl bench`` section (f) (``LAYERS`` of its 36, default all), under `bf16` and `jet`
+(``RECIPES``): GPU time per kernel and per kind of kernel, the GPU's idle time in the update's span, and the
+allocator's retries. The evidence behind docs/benchmarks.md section (f). GPU only.
 
     PYTHONPATH=. python3 bench/profile_training.py
 """
 
 import collections
+import os
 import re
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from jetrl.bench.models import random_model
+from jetrl.bench.models import free_device_memory, random_model
 from jetrl.bench.shapes import h200_config, smoke_config
 from jetrl.bench.synthetic import random_batch, random_records
 from jetrl.bench.training import _trainer
@@ -39,14 +41,12 @@ def kind_of(name: str) -> str:
 
 def main() -> None:
     smoke = not torch.cuda.is_available()  # CPU: the smoke shapes, CPU events (checks the script runs)
-    cfg = smoke_config() if smoke else h200_config(layers=8)
+    cfg = smoke_config() if smoke else h200_config(train_layers=int(os.environ.get("LAYERS", "36")))
     dev = torch.device("cpu" if smoke else "cuda")
     kind = torch.autograd.DeviceType.CPU if smoke else torch.autograd.DeviceType.CUDA
     model = random_model(cfg.model_config(cfg.train_layers), dev, torch.bfloat16)
     batch = random_batch(cfg.train_batch, cfg.train_prompt, cfg.train_completion, cfg.vocab)
     records = random_records(cfg.train_batch, cfg.train_prompt, cfg.vocab)
-    import os
-
     for recipe in os.environ.get("RECIPES", "bf16,jet").split(","):
         trainer = _trainer(model, recipe, records, generations=2, batch=cfg.train_batch, prompt_len=cfg.train_prompt,
                            completion_len=cfg.train_completion, cfg=cfg)
@@ -54,6 +54,7 @@ def main() -> None:
         trainer._old_logprobs(batch, metrics)  # sets the batch's old logprobs
         trainer._update(batch, metrics)  # warm-up
         torch.cuda.synchronize() if not smoke else None
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if not smoke else 0
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             trainer._update(batch, metrics)
             torch.cuda.synchronize() if not smoke else None
@@ -68,7 +69,10 @@ def main() -> None:
                 table[key][1] += (e.self_cpu_time_total if smoke else e.device_time) / 1e3
         busy = sum(v[1] for v in by_kind.values())
         span = (max(e.time_range.end for e in ev) - min(e.time_range.start for e in ev)) / 1e3
-        print(f"== {recipe}: {len(ev)} kernels, GPU busy {busy:.1f} ms of a {span:.1f} ms span")
+        retries = (torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries) if not smoke else 0
+        peak = torch.cuda.max_memory_allocated() / 2**30 if not smoke else 0.0
+        print(f"== {recipe}: {len(ev)} kernels, GPU busy {busy:.1f} ms of a {span:.1f} ms span; "
+              f"allocator retries {retries}, peak {peak:.1f} GiB")
         for kind, (c, ms) in sorted(by_kind.items(), key=lambda kv: -kv[1][1]):
             print(f"   {ms:8.1f} ms {c:6d}x  {kind}")
         for name, (c, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]:
@@ -78,6 +82,7 @@ def main() -> None:
         for a in sorted(ops, key=lambda a: -a.self_device_time_total)[:25]:
             print(f"      {a.self_device_time_total / 1e3:8.2f} ms {a.count:5d}x  {a.key}")
         trainer = None
+        free_device_memory()
 
 
 if __name__ == "__main__":

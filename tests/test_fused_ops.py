@@ -170,6 +170,57 @@ def test_fused_kernels_match_references_in_interpreter():
     assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr[-3000:]
 
 
+PRODUCER_QUANT_SCRIPT = r"""
+import torch
+from jetrl.fp8.quant import E4M3, quantize_reference
+from jetrl.models.fused import QuantizedOutput
+from jetrl.models.kernels.fused_triton import add_rms_norm_triton, rms_norm_triton, silu_mul_triton
+
+
+def buffers(rows, cols, pow2):  # as jetrl.fp8.producer_quant lays them out: column-major scales
+    return QuantizedOutput(torch.full((rows, cols), 3.0).to(E4M3), torch.full((cols // 128, rows), -1.0).t(), pow2)
+
+
+def check(y, q, pow2):  # the codes and scales are quantize(y)'s, bit for bit
+    codes, scales = quantize_reference(y.reshape(-1, y.shape[-1]), 1, 128, pow2)
+    assert torch.equal(q.codes.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(q.scales.view(torch.int32), scales.view(torch.int32))
+
+
+torch.manual_seed(0)
+for pow2 in (False, True):
+    for rows, cols in ((5, 256), (3, 384), (2, 128)):  # 384: a 512-wide tile with a masked group
+        x = (torch.randn(rows, cols) * torch.exp(torch.randn(rows, 1))).bfloat16()
+        x[1, 3] = float("nan") if cols == 384 else x[1, 3]  # a NaN group: scale NaN, codes 0x7F, as quantize does
+        w = (1 + 0.1 * torch.randn(cols)).bfloat16()
+        q = buffers(rows, cols, pow2)
+        y = rms_norm_triton(x, w, 1e-6, q)
+        assert torch.equal(y.view(torch.int16), rms_norm_triton(x, w, 1e-6).view(torch.int16))  # y unchanged
+        check(y, q, pow2)
+        d = torch.randn(rows, cols).bfloat16()
+        q = buffers(rows, cols, pow2)
+        h, y = add_rms_norm_triton(x, d, w, 1e-6, q)
+        assert torch.equal(y.view(torch.int16), add_rms_norm_triton(x, d, w, 1e-6)[1].view(torch.int16))
+        check(y, q, pow2)
+    g, u = (torch.randn(3, 2, 1280) * 4).bfloat16(), torch.randn(3, 2, 1280).bfloat16()  # 2 column blocks, 1 partial
+    q = buffers(6, 1280, pow2)
+    y = silu_mul_triton(g, u, q)
+    assert torch.equal(y, silu_mul_triton(g, u))
+    check(y, q, pow2)
+print("OK")
+"""
+
+
+def test_producer_quantization_is_the_quantizers_in_interpreter():
+    """The norms and SwiGLU writing their FP8 consumer's input (jetrl/fp8/producer_quant.py): output unchanged,
+    codes and scales bit-equal to the quantizer's."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", PRODUCER_QUANT_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr[-3000:]
+
+
 def test_fused_path_is_cuda_only_and_on_by_default(monkeypatch):
     x = torch.randn(2, 8)
     with use_fused_ops(True):

@@ -43,6 +43,12 @@ for shape, block, pow2, transpose in [((33, 300), (1, 128), False, False), ((200
     assert codes.shape == ref_codes.shape and codes.is_contiguous() and scales.shape == ref_scales.shape
     assert torch.equal(scales.view(torch.int32), ref_scales.view(torch.int32)), (shape, block)
     assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8)), (shape, block, pow2)
+    # into given buffers (the weight cache's in-place refresh): the same bits, the same tensors back
+    out = (torch.full_like(codes, 1.0), torch.full_like(scales, -1.0).t().contiguous().t())
+    got = quantize_triton(x, *block, pow2, out=out)
+    assert got[0] is out[0] and got[1] is out[1]
+    assert torch.equal(out[0].view(torch.uint8), ref_codes.view(torch.uint8))
+    assert torch.equal(out[1].view(torch.int32), ref_scales.view(torch.int32))
 print("OK")
 """
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from jetrl.fp8 import Float8Linear, convert_to_float8, float8_modules, get_recipe
 from jetrl.models import CausalLM, ModelConfig
+from jetrl.fp8.producer_quant import remove_producer_quant
 from jetrl.models.stacked_projections import remove_stacked_projections
 
 
@@ -63,6 +64,7 @@ def strip_precision(model: nn.Module) -> nn.Module:
         if getattr(module, "kv_quant", None) is not None:
             module.kv_quant = None
     remove_stacked_projections(model)  # frees the BF16 copies; convert_to_float8 installs fresh stacks
+    remove_producer_quant(model)
     return model
 
 

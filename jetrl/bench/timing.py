@@ -113,3 +113,24 @@ def floor_ms(num_bytes: float) -> float:
 def tb_per_s(num_bytes: float, ms: float) -> float:
     """Effective bandwidth in TB/s of moving ``num_bytes`` (read + written) in ``ms``."""
     return num_bytes / (ms * 1e-3) / 1e12
+
+
+def allocator_mark(device: torch.device) -> dict[str, float]:
+    """The caching allocator's counters now, with the peak reset (for :func:`allocator_since`)."""
+    if device.type != "cuda":
+        return {}
+    torch.cuda.reset_peak_memory_stats(device)
+    stats = torch.cuda.memory_stats(device)
+    return {"num_alloc_retries": stats.get("num_alloc_retries", 0), "num_ooms": stats.get("num_ooms", 0)}
+
+
+def allocator_since(mark: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Peak GiB allocated and reserved since ``mark``, and how often the allocator had to free its cache
+    and retry (``num_alloc_retries``: each one synchronizes the device and returns cached blocks to CUDA,
+    the cost of running near the memory limit)."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {"peak_allocated_gib": round(stats["allocated_bytes.all.peak"] / 2**30, 1),
+            "peak_reserved_gib": round(stats["reserved_bytes.all.peak"] / 2**30, 1),
+            "alloc_retries": stats.get("num_alloc_retries", 0) - mark.get("num_alloc_retries", 0)}

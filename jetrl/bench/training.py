@@ -42,7 +42,7 @@ from jetrl.bench.models import free_device_memory, random_model, strip_precision
 from jetrl.bench.report import error_row, set_target
 from jetrl.bench.shapes import BenchConfig
 from jetrl.bench.synthetic import IdTokenizer, parity_reward, random_batch, random_records
-from jetrl.bench.timing import wall_s
+from jetrl.bench.timing import allocator_mark, allocator_since, wall_s
 from jetrl.rl import GRPOConfig, GRPOTrainer
 from jetrl.rl.batch import RolloutBatch
 
@@ -83,6 +83,12 @@ def _model_note(cfg: BenchConfig, model: nn.Module) -> str:
     return f"{cfg.train_layers} layers, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params"
 
 
+def _memory_note(memory: dict, *keys: Any) -> str:
+    """'; peak GiB / allocator retries a, b' for the rows' recipes (empty off CUDA)."""
+    parts = [f"{m['peak_allocated_gib']}/{m['alloc_retries']}" for m in (memory.get(k) for k in keys) if m]
+    return f"; peak GiB/alloc retries {', '.join(parts)}" if parts else ""
+
+
 def _comparison(name: str, unit: str, times: dict[str, float], target: float, smoke: bool,
                 **extra: Any) -> dict[str, Any]:
     row = {"name": name, "unit": unit, "baseline": times.get("bf16"), "baseline_label": "bf16",
@@ -104,13 +110,15 @@ def training_phase(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any
     model = random_model(cfg.model_config(cfg.train_layers), device, torch.bfloat16)
     batch = random_batch(cfg.train_batch, cfg.train_prompt, cfg.train_completion, cfg.vocab)
     records = random_records(cfg.train_batch, cfg.train_prompt, cfg.vocab)
-    phase, old, update, rows, problems = {}, {}, {}, [], []
+    phase, old, update, memory, rows, problems = {}, {}, {}, {}, [], []
     for recipe in RECIPES:
         def measure(trainer: GRPOTrainer, recipe: str = recipe) -> None:
+            mark = allocator_mark(device)
             samples = [_time_phase(trainer, batch, device) for _ in range(1 + cfg.train_iters)][1:]  # [0]: warm-up
             old[recipe] = statistics.median(s[0] for s in samples) * 1e3
             update[recipe] = statistics.median(s[1] for s in samples) * 1e3
             phase[recipe] = statistics.median(s[0] + s[1] for s in samples) * 1e3
+            memory[recipe] = allocator_since(mark, device)
             if trainer.nonfinite_steps or trainer.optimizer_steps != 1 + cfg.train_iters:
                 problems.append(f"{recipe}: {trainer.optimizer_steps} updates, {trainer.nonfinite_steps} non-finite")
 
@@ -118,8 +126,8 @@ def training_phase(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any
                       batch=cfg.train_batch, prompt_len=cfg.train_prompt, completion_len=cfg.train_completion, cfg=cfg)
     tokens = cfg.train_batch * (cfg.train_prompt + cfg.train_completion)
     main = _comparison(f"training phase {cfg.train_batch}x{cfg.train_prompt + cfg.train_completion} tok", "ms",
-                       phase, TRAIN_TARGET, cfg.smoke, tokens=tokens, old_logprobs_ms=old, update_ms=update,
-                       note=_model_note(cfg, model) + "; old-logprob fwd + fwd/bwd/AdamW")
+                       phase, TRAIN_TARGET, cfg.smoke, tokens=tokens, old_logprobs_ms=old, update_ms=update, memory=memory,
+                       note=_model_note(cfg, model) + "; old-logprob fwd + fwd/bwd/AdamW" + _memory_note(memory, *RECIPES))
     if len(phase) == 2:
         main["check"] = status(not problems)
         main["check_detail"] = "; ".join(problems) if problems else "every update applied"
@@ -140,13 +148,15 @@ def rl_step(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any]]:
     model = random_model(cfg.model_config(cfg.train_layers), device, torch.bfloat16)
     records = random_records(cfg.rl_prompts, cfg.rl_prompt, cfg.vocab, seed=2)
     num = cfg.rl_prompts * cfg.rl_generations
-    step, phases, rows, problems = {}, {}, [], []
+    step, phases, memory, rows, problems = {}, {}, {}, [], []
     for recipe, old_logprobs in RL_STEP_CONFIGS:
         def measure(trainer: GRPOTrainer, key: tuple[str, str] = (recipe, old_logprobs)) -> None:
+            mark = allocator_mark(device)
             samples = [wall_s(trainer.train_step, device) for _ in range(1 + cfg.rl_steps)][1:]
             step[key] = statistics.median(s for s, _ in samples)
             last = samples[-1][1]
             phases[key] = {k: last.get(k, 0.0) for k in ("time/rollout", "time/old_logprobs", "time/update")}
+            memory[key] = allocator_since(mark, device)
             lengths = [m["completions/mean_length"] for _, m in samples]
             if any(n != cfg.rl_completion for n in lengths) or trainer.nonfinite_steps:
                 problems.append(f"{key[0]}: mean lengths {lengths}, {trainer.nonfinite_steps} non-finite steps")
@@ -165,7 +175,8 @@ def rl_step(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any]]:
         row = {"name": f"RL step {shape} {label}", "unit": "s", "baseline": step[base], "baseline_label": "bf16",
                "value": step[key], "value_label": key[0], "ratio": step[base] / step[key],
                "phases_s": {"bf16": phases[base], key[0]: phases[key]},
-               "note": f"{_model_note(cfg, model)}; bf16/{key[0]} {per_phase}"}
+               "memory": {"bf16": memory.get(base), key[0]: memory.get(key)},
+               "note": f"{_model_note(cfg, model)}; bf16/{key[0]} {per_phase}{_memory_note(memory, base, key)}"}
         comparisons.append(set_target(row, ">=", target, smoke=cfg.smoke))
     if comparisons:
         comparisons[0]["check"] = status(not problems)

@@ -14,7 +14,8 @@ happens even when no linear layer is FP8 (``fp8kv_rollout``). :func:`model_recip
 recipe back from a converted model; the engine uses it to pick its KV cache format.
 
 Inference-only speedups are installed with the linear layers: projection groups (FP8 q/k/v and
-gate/up as one stacked GEMM, projection_group.py) and, for every recipe, ``bf16`` included, the
+gate/up as one stacked GEMM, projection_group.py), producer-side input quantization (the norms and SwiGLU
+write their FP8 consumer's input codes, producer_quant.py) and, for every recipe, ``bf16`` included, the
 BF16 q/k/v and gate/up stacks (jetrl/models/stacked_projections.py), which take over wherever those
 siblings stay BF16.
 """
@@ -28,8 +29,10 @@ import torch.nn as nn
 
 from jetrl.fp8.kv_quant import KVQuant
 from jetrl.fp8.linear import Float8Linear
+from jetrl.fp8.producer_quant import install_producer_quant
 from jetrl.fp8.projection_group import install_projection_groups
 from jetrl.fp8.recipe import Recipe, check_rollout_subgraph
+from jetrl.fp8.weight_cache import batched_finite_check
 from jetrl.models.stacked_projections import install_stacked_projections, refresh_stacked_projections
 
 ModuleFilter = Callable[[nn.Module, str], bool]
@@ -65,6 +68,7 @@ def convert_to_float8(model: nn.Module, recipe: Recipe, module_filter: ModuleFil
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, Float8Linear.from_float(linear, recipe, name=fqn))
     install_projection_groups(model)  # q/k/v and gate/up: one stacked GEMM in the CUDA rollout
+    install_producer_quant(model)  # norms and SwiGLU write their FP8 consumer's input codes (no-grad, CUDA)
     return model
 
 
@@ -138,7 +142,7 @@ def refresh_weight_caches(model: nn.Module) -> int:
     The BF16 sibling stacks (jetrl/models/stacked_projections.py) are brought up to date the same way.
     """
     modules = float8_modules(model)
-    with torch.no_grad():
+    with torch.no_grad(), batched_finite_check():  # one device sync for every weight's finiteness check
         for module in modules.values():
             module.quantized_weight()
         refresh_stacked_projections(model)

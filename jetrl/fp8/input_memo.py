@@ -43,6 +43,12 @@ class InputMemo(threading.local):
             self._ref, self._key = weakref.ref(x), full_key
         return self._value
 
+    def put(self, x: torch.Tensor, key: Any, value: Any) -> None:
+        """Hold ``value`` as what ``get(x, key, ...)`` would compute now (ignored for inference tensors)."""
+        if not x.is_inference():
+            self._value = value
+            self._ref, self._key = weakref.ref(x), (x._version, key, x.is_cuda and torch.cuda.is_current_stream_capturing())
+
     def clear(self) -> None:
         """Drop the held value (and its memory) now."""
         self._ref = self._key = self._value = None

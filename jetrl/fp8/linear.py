@@ -98,6 +98,12 @@ def _quantize_both(t: torch.Tensor, rows: QuantSpec, tokens: QuantSpec, name: st
 _last_input = InputMemo()  # the last activation quantized, for sibling layers
 
 
+def share_input_quantization(x: torch.Tensor, spec: QuantSpec, quantized: Float8Blocks) -> None:
+    """Offer ``quantized`` = ``quantize(x)`` in ``spec`` (column-major scales on CUDA) to the next Float8Linear
+    that reads ``x`` without autograd, as a sibling's quantization is (producer_quant.py)."""
+    _last_input.put(x, spec, quantized)
+
+
 class Float8Linear(nn.Linear):
     """``nn.Linear`` computed under a precision :class:`Recipe`; shares the original parameters.
 

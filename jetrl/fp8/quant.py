@@ -149,17 +149,41 @@ def quantize(
     check_finite: bool = False,
     name: str = "tensor",
     col_major_scales: bool = False,
+    out: Float8Blocks | None = None,
 ) -> Float8Blocks:
     """Quantize a 2-D tensor to block-scaled E4M3 with the formula in the module docstring.
 
     ``name`` is used in error messages only (e.g. ``"model.layers.0.mlp.up_proj.weight"``).
     ``col_major_scales`` returns the same scales laid out column-major, as cuBLAS's block-scaled GEMM
     reads its A operand's (so no transposing copy is needed before it).
+    ``out``: write the codes and scales into this tensor's buffers (same block, shapes and device; its
+    scales keep their own layout) and return ``out`` itself -- the weight cache refreshes in place so.
     """
     _validate(x, block, name)
     impl = _implementation(x.device, tuple(block))
-    codes, scales = impl(x, block[0], block[1], pow2_scale, col_major_scales=col_major_scales)
-    return _finish(Float8Blocks(codes, scales, tuple(block)), check_finite, name)
+    if out is None:
+        codes, scales = impl(x, block[0], block[1], pow2_scale, col_major_scales=col_major_scales)
+        return _finish(Float8Blocks(codes, scales, tuple(block)), check_finite, name)
+    _check_out(out, x, tuple(block), name)
+    if impl is _impls.get("triton") and out.codes.is_contiguous():
+        impl(x, block[0], block[1], pow2_scale, out=(out.codes, out.scales))  # written in place by the kernel
+    else:
+        codes, scales = impl(x, block[0], block[1], pow2_scale)
+        out.codes.copy_(codes)
+        out.scales.copy_(scales)
+    return _finish(out, check_finite, name)
+
+
+def _check_out(out: Float8Blocks, x: torch.Tensor, block: tuple[int, int], name: str) -> None:
+    expected = (-(-x.shape[0] // block[0]), -(-x.shape[1] // block[1]))
+    if (tuple(out.block) != block or out.codes.shape != x.shape or out.codes.dtype != E4M3
+            or tuple(out.scales.shape) != expected or out.scales.dtype != torch.float32
+            or out.codes.device != x.device or out.scales.device != x.device):
+        raise ValueError(
+            f"{name}: quantize(out=...) needs E4M3 codes of shape {tuple(x.shape)} and float32 scales of shape "
+            f"{expected} on {x.device} in {block} blocks; got codes {out.codes.dtype} {tuple(out.codes.shape)}, "
+            f"scales {out.scales.dtype} {tuple(out.scales.shape)}, block {tuple(out.block)}"
+        )
 
 
 def quantize_with_transpose(

@@ -26,16 +26,63 @@ A new version is written *into the existing buffers* when the layout is unchange
 holder of the cached tensors (a CUDA graph the engine captured, above all) sees the new codes
 without a copy to it or a recapture.
 
-Weights are always quantized with ``check_finite=True``: a NaN/Inf weight raises a
-:class:`~jetrl.fp8.quant.NonFiniteError` naming the parameter instead of entering FP8.
+Weights are always checked: a NaN/Inf weight raises a :class:`~jetrl.fp8.quant.NonFiniteError`
+naming the parameter instead of entering FP8 (its entry stays stale, so every later read raises
+again). The check reads the scales on the host, one device sync per weight; refreshing the whole
+model after an optimizer step (252 weights at Qwen3-8B) does it once for all of them instead,
+inside :func:`batched_finite_check` (on the H200 the per-weight syncs left the GPU idle ~80 ms per
+step: docs/benchmarks.md, section f).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
 import torch
 
-from jetrl.fp8.quant import E4M3, Float8Blocks, assert_finite, quantize, transpose_codes
+from jetrl.fp8.quant import E4M3, Float8Blocks, NonFiniteError, assert_finite, quantize, transpose_codes
 from jetrl.fp8.recipe import QuantSpec
+
+
+class _Deferred(threading.local):
+    pending: list[tuple[WeightCache, Float8Blocks]] | None = None
+
+
+_deferred = _Deferred()
+
+
+@contextlib.contextmanager
+def batched_finite_check() -> Iterator[None]:
+    """Weights quantized inside the block skip their own finiteness check; on leaving it, one check (one
+    device sync) covers them all, and raises :class:`NonFiniteError` naming every non-finite weight, whose
+    entries are left stale (module docstring). Nested blocks join the outermost."""
+    if _deferred.pending is not None:
+        yield
+        return
+    _deferred.pending = pending = []
+    try:
+        yield
+    finally:
+        _deferred.pending = None
+    _check_all(pending)
+
+
+def _check_all(pending: list[tuple[WeightCache, Float8Blocks]]) -> None:
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for _, q in pending:
+        by_device.setdefault(q.scales.device, []).append(q.scales.reshape(-1))
+    if not any(bool((~torch.isfinite(torch.cat(scales))).any()) for scales in by_device.values()):
+        return
+    bad = [(cache, q) for cache, q in pending if not bool(torch.isfinite(q.scales).all())]
+    for cache, _ in bad:
+        cache.invalidate()
+    names = ", ".join(cache.name for cache, _ in bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+    try:
+        assert_finite(bad[0][1], bad[0][0].name)
+    except NonFiniteError as exc:
+        raise NonFiniteError(f"{len(bad)} weight(s) hold NaN/Inf: {names}. First: {exc}") from None
 
 
 def track_optimizer(optimizer: torch.optim.Optimizer):
@@ -68,19 +115,21 @@ class WeightCache:
         """q(W) in ``spec``'s blocks, quantized only if ``weight`` changed since the last call."""
         key = self._key_of(weight, spec)
         if key != self._key:
+            old, deferred = self._weight, _deferred.pending
+            # In place when the layout is unchanged: the buffers keep their addresses, so CUDA graphs
+            # captured by the engine read the new version with no recapture (zero weight sync).
+            in_place = (old is not None and tuple(old.block) == tuple(spec.block) and old.codes.shape == weight.shape
+                        and old.codes.device == weight.device)
+            self._key = None  # until the new codes are in: a failed check leaves the entry stale
             with torch.no_grad():
-                fresh = quantize(
-                    weight.detach(), spec.block, pow2_scale=spec.pow2_scale, check_finite=True, name=self.name
-                )
-            old = self._weight
-            if old is not None and _same_layout(old, fresh):
-                # In place: the buffers keep their addresses, so CUDA graphs captured by the
-                # engine read the new version with no recapture (zero weight sync).
-                old.codes.copy_(fresh.codes)
-                old.scales.copy_(fresh.scales)
+                fresh = quantize(weight.detach(), spec.block, pow2_scale=spec.pow2_scale,
+                                 check_finite=deferred is None, name=self.name, out=old if in_place else None)
+            if in_place:
                 old.forget()
             else:
                 self._weight = fresh.memoize() if fresh.codes.device.type == "cpu" else fresh
+            if deferred is not None:
+                deferred.append((self, self._weight))
             self._transposed_stale = True
             self._key = key
             self.num_quantizations += 1

@@ -32,7 +32,7 @@ too wide for the RMSNorm backward kernel (over 8192).
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,39 @@ from jetrl.fp8.kernels import KERNEL_FLOAT_DTYPES
 from jetrl.overrides import ScopedOverride, env_choice
 
 _ENV = "JETRL_FUSED_OPS"
+
+
+class QuantizedOutput(NamedTuple):
+    """Buffers for an op's output quantized in 1x128 groups along its last dim by the quantizer's own arithmetic:
+    ``codes`` (rows, cols) contiguous E4M3, ``scales`` (rows, cols / 128) fp32 of any strides, ``pow2``:
+    power-of-two scales; cols a multiple of 128."""
+
+    codes: Tensor
+    scales: Tensor
+    pow2: bool
+
+
+class OutputQuant(Protocol):
+    """What the model's ``output_quant`` (RMSNorm) and ``act_quant`` (MLP) slots hold: None in the pure model;
+    the FP8 transform installs jetrl.fp8.producer_quant.ProducerQuant, which asks the fused kernel producing a
+    linear layer's input to write its FP8 codes too (the fused path without autograd only; elsewhere the
+    slot is ignored and the layer quantizes its input itself, with the same result)."""
+
+    def buffers(self, rows: int, cols: int, device: torch.device) -> QuantizedOutput | None:
+        """Where to write the codes for an output of (rows, cols), or None: the consumer quantizes itself."""
+
+    def publish(self, out: Tensor, quantized: QuantizedOutput) -> None:
+        """Hand the written codes of ``out`` (the very tensor the consumer will read) to the consumer."""
+
+
+def _quantized(quant: OutputQuant | None, x: Tensor) -> QuantizedOutput | None:
+    return None if quant is None else quant.buffers(x.numel() // x.shape[-1], x.shape[-1], x.device)
+
+
+def _published(out: Tensor, quant: OutputQuant | None, quantized: QuantizedOutput | None) -> Tensor:
+    if quantized is not None:
+        quant.publish(out, quantized)
+    return out
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -97,28 +130,33 @@ def use_fused_ops(enabled: bool) -> contextlib.AbstractContextManager[None]:
     return _override(bool(enabled))
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, quant: OutputQuant | None = None) -> Tensor:
+    """``quant``: see :class:`OutputQuant` (the fused path without autograd writes the output's FP8 codes too)."""
     if not fused_ops_enabled(x):
         return rms_norm_reference(x, weight, eps)
     from jetrl.models.kernels.fused_triton import rms_norm_triton
 
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _FusedRMSNorm.apply(x, weight, eps)
-    return rms_norm_triton(x, weight, eps)
+    quantized = _quantized(quant, x)
+    return _published(rms_norm_triton(x, weight, eps, quantized), quant, quantized)
 
 
-def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float,
+                 quant: OutputQuant | None = None) -> tuple[Tensor, Tensor]:
     """``h = x + delta`` and ``rms_norm(h, weight, eps)``: a residual add and the norm that reads it, one
-    kernel on the fused path (the reference: the two ops)."""
+    kernel on the fused path (the reference: the two ops). ``quant``: as in :func:`rms_norm`, for the norm."""
     if (not fused_ops_enabled(x) or x.shape != delta.shape or x.dtype != delta.dtype
             or x.dtype not in KERNEL_FLOAT_DTYPES or weight.dtype not in KERNEL_FLOAT_DTYPES):
         h = x + delta
-        return h, rms_norm(h, weight, eps)
+        return h, rms_norm(h, weight, eps, quant)
     from jetrl.models.kernels.fused_triton import add_rms_norm_triton
 
     if torch.is_grad_enabled() and (x.requires_grad or delta.requires_grad or weight.requires_grad):
         return _FusedAddRMSNorm.apply(x, delta, weight, eps)
-    return add_rms_norm_triton(x, delta, weight, eps)
+    quantized = _quantized(quant, x)
+    h, y = add_rms_norm_triton(x, delta, weight, eps, quantized)
+    return h, _published(y, quant, quantized)
 
 
 def norm_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_norm: Any = None,
@@ -157,15 +195,16 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return apply_rope_triton(x, cos, sin)
 
 
-def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    """``silu(gate) * up``."""
+def silu_mul(gate: Tensor, up: Tensor, quant: OutputQuant | None = None) -> Tensor:
+    """``silu(gate) * up``. ``quant``: as in :func:`rms_norm`."""
     if not fused_ops_enabled(gate) or gate.shape != up.shape or gate.dtype != up.dtype:
         return silu_mul_reference(gate, up)
     from jetrl.models.kernels.fused_triton import silu_mul_triton
 
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return _FusedSiluMul.apply(gate, up)
-    return silu_mul_triton(gate, up)
+    quantized = _quantized(quant, gate)
+    return _published(silu_mul_triton(gate, up, quantized), quant, quantized)
 
 
 class _FusedSiluMul(torch.autograd.Function):

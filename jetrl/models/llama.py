@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from jetrl.models.config import ModelConfig
-from jetrl.models.fused import add_rms_norm, norm_rope, rms_norm, silu_mul
+from jetrl.models.fused import OutputQuant, add_rms_norm, norm_rope, rms_norm, silu_mul
 
 
 class KVCache(Protocol):
@@ -63,15 +63,18 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        # The FP8 codes of the output, for the linear layer that reads it: None in the pure model; the FP8
+        # transform installs jetrl.fp8.producer_quant.ProducerQuant (jetrl.models.fused.OutputQuant)
+        self.output_quant: OutputQuant | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)  # the formula: jetrl/models/fused.py
+        return rms_norm(x, self.weight, self.eps, self.output_quant)  # the formula: jetrl/models/fused.py
 
     def add_forward(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
         """``(x + delta, self(x + delta))``: a residual add and this norm, one kernel on the fused path (which
         reads ``weight`` and ``eps`` without calling ``forward``: hooks on this module fire on the reference
         path only)."""
-        return add_rms_norm(x, delta, self.weight, self.eps)
+        return add_rms_norm(x, delta, self.weight, self.eps, self.output_quant)
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
@@ -198,11 +201,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False)
         # gate/up as one GEMM, like ``Attention.qkv_stack``: None in the pure model
         self.gate_up_stack: Callable[[nn.Module, Tensor], tuple[Tensor, ...] | None] | None = None
+        # the FP8 codes of down_proj's input, like ``RMSNorm.output_quant``: None in the pure model
+        self.act_quant: OutputQuant | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         stacked = self.gate_up_stack(self, x) if self.gate_up_stack is not None else None
         gate, up = stacked if stacked is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(silu_mul(gate, up))  # silu(gate) * up
+        return self.down_proj(silu_mul(gate, up, self.act_quant))  # silu(gate) * up
 
 
 class DecoderLayer(nn.Module):

@@ -205,22 +205,26 @@ def explicit_round() -> bool:
 
 def quantize_triton(
     x: torch.Tensor, br: int, bc: int, pow2_scale: bool, *, tile_rows: int | None = None, num_warps: int | None = None,
-    col_major_scales: bool = False,
+    col_major_scales: bool = False, out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same signature and result as ``quantize_reference``: (codes (R, C), scales (R/br, C/bc)).
 
     ``tile_rows`` / ``num_warps`` exist for the bench's tile sweep (1xGC groups only).
     ``col_major_scales`` writes the scales column-major (strides (1, R/br)), the layout cuBLAS's
     block-scaled GEMM takes for its A operand, so no transposing copy is needed before the GEMM.
+    ``out``: (codes, scales) to write into -- codes contiguous (R, C), scales of any strides.
     """
     assert x.dim() == 2 and ((br, bc) == (128, 128) or (br == 1 and bc in GROUP_WIDTHS)), (x.shape, br, bc)
     rows, cols = x.shape
     num_row_groups, num_col_groups = triton.cdiv(rows, br), triton.cdiv(cols, bc)
-    codes = torch.empty((rows, cols), dtype=E4M3, device=x.device)
-    if col_major_scales:
-        scales = torch.empty((num_col_groups, num_row_groups), dtype=torch.float32, device=x.device).t()
+    if out is not None:
+        codes, scales = out
+        assert codes.shape == (rows, cols) and codes.is_contiguous() and scales.shape == (num_row_groups, num_col_groups)
     else:
-        scales = torch.empty((num_row_groups, num_col_groups), dtype=torch.float32, device=x.device)
+        codes = torch.empty((rows, cols), dtype=E4M3, device=x.device)
+        scales = torch.empty((num_col_groups, num_row_groups) if col_major_scales else (num_row_groups, num_col_groups),
+                             dtype=torch.float32, device=x.device)
+        scales = scales.t() if col_major_scales else scales
     tile_r = 128 if br == 128 else (tile_rows or max(32, 4096 // bc))
     grid = (num_col_groups, triton.cdiv(rows, tile_r))
     _quantize_kernel[grid](

@@ -30,6 +30,16 @@ model-dtype tensors is computed in fp32 and rounded once to the model dtype):
     q/k norm  RMSNorm of each head row (its sum in this kernel's order), rounded to the dtype, then
     + RoPE    RoPE as above on the rounded values; q and k in one launch
 
+Producer-side quantization: the RMSNorm kernels and SwiGLU can also write their output's 1x128 FP8
+quantization (``quantized``: :class:`~jetrl.models.fused.QuantizedOutput`), for the FP8 linear layer that reads
+it (jetrl/fp8/producer_quant.py says when). The codes are ``quantize``'s: the epilogue runs the quantizer's row
+function (``quantize_rows``) on the stored values. Whether a call quantizes is a *runtime* argument, the epilogue's
+other arguments are not specialized and a call that does not quantize passes placeholders of the same dtypes, so
+both kinds of call run one compiled binary: the output (the RMSNorm's row sum above all) is the same bits either
+way. The trainer's forward (no epilogue) and the engine's decode (with it) therefore stay one graph. An earlier
+version compiled the epilogue as a separate variant, whose row sum came out ordered differently
+(docs/benchmarks.md, section d).
+
 Rounded intermediates that are computed on further (``rounded``) are rounded on the fp32 bits with
 integer ops everywhere, so no compiler can contract or fold them; final stores use ``round_to``,
 the hardware RNE cast on the GPU (the interpreter's cast truncates, so there it rounds on the bits).
@@ -42,7 +52,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from jetrl.fp8.kernels.quant_triton import explicit_round, quantize_rows
 from jetrl.fp8.kernels.rounding import INTERPRET, round_to, rounded
+from jetrl.models.fused import QuantizedOutput
 
 _EMULATE = INTERPRET
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -60,10 +72,36 @@ def row_grid(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _store_quantized(y, rows, col0, num_rows, num_cols, codes_ptr, scales_ptr, stride_sr, stride_sc, pow2,
+                     R: tl.constexpr, C: tl.constexpr, EXPLICIT_ROUND: tl.constexpr):
+    """Store the 1x128 quantization of the (R, C) tile ``y`` (rows ``rows``, columns ``col0 + [0, C)``, as
+    stored in the model dtype): the quantizer's own row arithmetic (``quantize_rows``), so the codes (row-major
+    (num_rows, num_cols)) and scales (one per row and group, through their strides) are ``quantize``'s."""
+    groups = tl.reshape(y.to(tl.float32), (R * (C // 128), 128))
+    if pow2:
+        code_bits, scale = quantize_rows(groups, True, EXPLICIT_ROUND)
+    else:
+        code_bits, scale = quantize_rows(groups, False, EXPLICIT_ROUND)
+    cols = col0 + tl.arange(0, C)
+    row_ok = rows[:, None] < num_rows
+    tl.store(codes_ptr + rows[:, None] * num_cols + cols[None, :], tl.reshape(code_bits, (R, C)),
+             mask=row_ok & (cols[None, :] < num_cols))
+    group_cols = col0 // 128 + tl.arange(0, C // 128)
+    tl.store(scales_ptr + rows[:, None] * stride_sr + group_cols[None, :] * stride_sc,
+             tl.reshape(scale, (R, C // 128)), mask=row_ok & (group_cols[None, :] * 128 < num_cols))
+
+
+# the quantizing epilogue's arguments are not specialized: a call that quantizes and one that does not run
+# the very same binary (module docstring, "Producer-side quantization")
+_QUANT_ARGS = ["stride_sr", "stride_sc", "quant", "pow2"]
+
+
+@triton.jit(do_not_specialize=_QUANT_ARGS)
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, num_cols, inner, stride_outer, stride_inner, stride_o, eps,
-                     d_ptr, h_ptr,
+                     d_ptr, h_ptr, codes_ptr, scales_ptr, stride_sr, stride_sc, quant, pow2,
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, X_DTYPE: tl.constexpr,
-                     OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr, ADD: tl.constexpr):
+                     OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr, ADD: tl.constexpr,
+                     EXPLICIT_ROUND: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
     col_ok = cols < num_cols
@@ -81,40 +119,69 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, num_cols, inner, stride_ou
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     y = round_to(w[None, :] * n, OUT_DTYPE, EMULATE)
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], y, mask=mask)
+    if BLOCK_C % 128 == 0:  # noqa: SIM102 -- a compile-time guard: the epilogue needs 128-wide groups
+        if quant:  # a runtime flag: the row sum above compiles the same either way
+            _store_quantized(y, rows, 0, num_rows, num_cols, codes_ptr, scales_ptr, stride_sr, stride_sc, pow2,
+                             BLOCK_R, BLOCK_C, EXPLICIT_ROUND)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    quantized: QuantizedOutput | None = None) -> torch.Tensor:
     """Same signature and result (up to the row sum's order) as ``rms_norm_reference``.
 
     ``x`` may be strided in its leading dims (rows are addressed as an (outer, inner) grid, so a
-    (B, T, H, D) view of a wider buffer is read in place); the output is contiguous.
+    (B, T, H, D) view of a wider buffer is read in place); the output is contiguous. ``quantized``: also
+    write the output's 1x128 quantization into these buffers (:class:`QuantizedOutput`).
     """
     cols = x.shape[-1]
     assert weight.shape == (cols,) and weight.is_contiguous() and x.dtype in _TL_DTYPES, (x.shape, weight.shape)
     grid3 = row_grid(x)
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty((grid3.shape[0] * grid3.shape[1], cols), dtype=out_dtype, device=x.device)
-    _launch_rms_norm(grid3, weight, out, eps, None, None)
+    _launch_rms_norm(grid3, weight, out, eps, None, None, quantized)
     return out.view(*x.shape[:-1], cols)
 
 
-def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                        quantized: QuantizedOutput | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = x + delta`` (rounded once to x's dtype, as PyTorch adds) and ``rms_norm(h)``, in one pass: the
     residual add before a decoder layer's second norm. x and delta of one dtype and shape; both results
-    contiguous. The norm is ``rms_norm_triton``'s arithmetic (its row sum may be ordered differently)."""
+    contiguous. The norm is ``rms_norm_triton``'s arithmetic (its row sum may be ordered differently).
+    ``quantized``: as in ``rms_norm_triton``, for the norm's output."""
     cols = x.shape[-1]
     assert x.shape == delta.shape and x.dtype == delta.dtype and x.dtype in _TL_DTYPES, (x.shape, delta.shape)
     assert weight.shape == (cols,) and weight.is_contiguous(), (weight.shape, cols)
     x2, d2 = x.reshape(-1, cols).contiguous(), delta.reshape(-1, cols).contiguous()
     h = torch.empty_like(x2)
     out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    _launch_rms_norm(x2.view(-1, 1, cols), weight, out, eps, d2, h)
+    _launch_rms_norm(x2.view(-1, 1, cols), weight, out, eps, d2, h, quantized)
     return h.view(x.shape), out.view(x.shape)
 
 
+def _quant_args(quantized: QuantizedOutput | None, out: torch.Tensor) -> tuple:
+    """(codes, scales, stride_sr, stride_sc, quant, pow2) for a launch; placeholders of the same dtypes when
+    not quantizing, so that both kinds of call run one binary."""
+    if quantized is None:
+        codes, scales = _placeholders(out.device)
+        return codes, scales, 0, 0, 0, 0
+    codes, scales, pow2 = quantized
+    assert codes.shape == out.shape and codes.is_contiguous() and out.shape[-1] % 128 == 0, (codes.shape, out.shape)
+    assert scales.shape == (out.shape[0], out.shape[1] // 128) and scales.dtype == torch.float32, scales.shape
+    return codes.view(torch.uint8), scales, scales.stride(0), scales.stride(1), 1, int(pow2)
+
+
+_PLACEHOLDERS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if device not in _PLACEHOLDERS:
+        _PLACEHOLDERS[device] = (torch.zeros(16, dtype=torch.uint8, device=device),
+                                 torch.zeros(16, dtype=torch.float32, device=device))
+    return _PLACEHOLDERS[device]
+
+
 def _launch_rms_norm(grid3: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float,
-                     delta: torch.Tensor | None, h: torch.Tensor | None) -> None:
+                     delta: torch.Tensor | None, h: torch.Tensor | None, quantized: QuantizedOutput | None) -> None:
     """One launch of ``_rms_norm_kernel`` over the (outer, inner, C) rows of ``grid3``; with ``delta`` and
     ``h`` (contiguous) it adds ``delta`` first and writes the sum to ``h``. The tiles depend on C only,
     so a row's result does not depend on the batch."""
@@ -124,9 +191,10 @@ def _launch_rms_norm(grid3: torch.Tensor, weight: torch.Tensor, out: torch.Tenso
     grid = (triton.cdiv(num_rows, block_r),)
     _rms_norm_kernel[grid](
         grid3, weight, out, num_rows, cols, grid3.shape[1], grid3.stride(0), grid3.stride(1), out.stride(0), eps,
-        out if delta is None else delta, out if h is None else h,
+        out if delta is None else delta, out if h is None else h, *_quant_args(quantized, out),
         BLOCK_R=block_r, BLOCK_C=block_c, X_DTYPE=_TL_DTYPES[grid3.dtype], OUT_DTYPE=_TL_DTYPES[out.dtype],
-        EMULATE=_EMULATE, ADD=delta is not None, num_warps=4 if block_c * block_r <= 4096 else 8,
+        EMULATE=_EMULATE, ADD=delta is not None, EXPLICIT_ROUND=explicit_round(),
+        num_warps=4 if block_c * block_r <= 4096 else 8,
     )
 
 
@@ -302,22 +370,29 @@ def silu_rounded(g, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
     return e, rounded(tl.math.div_rn(g, 1.0 + e), DTYPE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_QUANT_ARGS)
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, num_rows, num_cols, stride_g, stride_u,
-                     BLOCK: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
+                     codes_ptr, scales_ptr, stride_sr, stride_sc, quant, pow2,
+                     BLOCK: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr, EXPLICIT_ROUND: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    col0 = tl.program_id(1) * BLOCK
+    cols = col0 + tl.arange(0, BLOCK)
     mask = cols < num_cols
     g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     _, s = silu_rounded(g, DTYPE, EMULATE)
-    tl.store(out_ptr + row * num_cols + cols, round_to(s * u, DTYPE, EMULATE), mask=mask)
+    y = round_to(s * u, DTYPE, EMULATE)
+    tl.store(out_ptr + row * num_cols + cols, y, mask=mask)
+    if quant:
+        _store_quantized(tl.reshape(y, (1, BLOCK)), row + tl.arange(0, 1), col0, num_rows, num_cols, codes_ptr,
+                         scales_ptr, stride_sr, stride_sc, pow2, 1, BLOCK, EXPLICIT_ROUND)
 
 
-def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor, quantized: QuantizedOutput | None = None) -> torch.Tensor:
     """Same signature and result as ``silu_mul_reference``: ``silu(gate) * up``, both (..., I) of one dtype.
 
     Rows may be strided (gate and up as column slices of one stacked GEMM output); the output is contiguous.
+    ``quantized``: as in ``rms_norm_triton``.
     """
     assert gate.shape == up.shape and gate.dtype == up.dtype and gate.dtype in _TL_DTYPES, (gate.shape, up.shape)
     cols = gate.shape[-1]
@@ -326,7 +401,8 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     u2 = u2 if u2.stride(-1) == 1 else u2.contiguous()
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     rows, block = g2.shape[0], 1024
-    _silu_mul_kernel[(rows, triton.cdiv(cols, block))](g2, u2, out, rows, cols, g2.stride(0), u2.stride(0),
-                                                       BLOCK=block, DTYPE=_TL_DTYPES[gate.dtype], EMULATE=_EMULATE,
-                                                       num_warps=4)
+    _silu_mul_kernel[(rows, triton.cdiv(cols, block))](
+        g2, u2, out, rows, cols, g2.stride(0), u2.stride(0), *_quant_args(quantized, out.view(rows, cols)),
+        BLOCK=block, DTYPE=_TL_DTYPES[gate.dtype], EMULATE=_EMULATE, EXPLICIT_ROUND=explicit_round(), num_warps=4,
+    )
     return out
