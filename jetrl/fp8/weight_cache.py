@@ -30,8 +30,8 @@ Weights are always checked: a NaN/Inf weight raises a :class:`~jetrl.fp8.quant.N
 naming the parameter instead of entering FP8 (its entry stays stale, so every later read raises
 again). The check reads the scales on the host, one device sync per weight; refreshing the whole
 model after an optimizer step (252 weights at Qwen3-8B) does it once for all of them instead,
-inside :func:`batched_finite_check` (on the H200 the per-weight syncs left the GPU idle ~80 ms per
-step: docs/benchmarks.md, section f).
+inside :func:`batched_finite_check`, so the host never waits on the GPU in the middle of a refresh
+(on the H200 the 8B update's wall time did not move measurably: docs/benchmarks.md, section f).
 """
 
 from __future__ import annotations
