@@ -203,28 +203,34 @@ def test_quantize_into_given_buffers():
 
 
 def test_refresh_checks_every_weight_with_one_sync_and_names_the_bad_ones(monkeypatch):
+    import jetrl.fp8.quant as quant_module
+    import jetrl.fp8.weight_cache as wc
+
     model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 128), nn.Linear(128, 256))
     convert_to_float8(model, get_recipe("jet"))
     caches = [m.weight_cache for m in model]
     refresh_weight_caches(model)
     held = [m.quantized_weight() for m in model]
+    checks = []  # per-weight checks (each one a device sync)
+    for module in (quant_module, wc):
+        real = module.nonfinite_problem
+        monkeypatch.setattr(module, "nonfinite_problem", lambda q, name, real=real: (checks.append(name), real(q, name))[1])
+    with torch.no_grad():
+        for m in model:
+            m.weight.mul_(2)
+    refresh_weight_caches(model)
+    assert checks == [] and [c.num_quantizations for c in caches] == [2, 2, 2]  # one batched check, no per-weight one
     with torch.no_grad():
         for m in model:
             m.weight.mul_(2)
         model[1].weight[0, 0] = float("nan")
         model[2].weight[5, 5] = float("inf")
-    import jetrl.fp8.weight_cache as wc
-
-    calls = []
-    real = wc.assert_finite
-    monkeypatch.setattr(wc, "assert_finite", lambda q, name: (calls.append(name), real(q, name)))
     with pytest.raises(NonFiniteError, match=r"2 weight\(s\) hold NaN/Inf: 1\.weight, 2\.weight"):
         refresh_weight_caches(model)
-    assert calls == ["1.weight"]  # one message built, not one check per weight
     # the healthy weight was refreshed in place (same buffers), the bad ones stay stale and raise again
     assert model[0].quantized_weight() is held[0]
     assert torch.equal(held[0].codes.view(torch.uint8), quantize(model[0].weight.detach(), (128, 128)).codes.view(torch.uint8))
-    assert [c.num_quantizations for c in caches] == [2, 2, 2]
+    assert [c.num_quantizations for c in caches] == [3, 3, 3]
     with pytest.raises(NonFiniteError, match=r"1\.weight"):
         model[1].quantized_weight()
 

@@ -121,7 +121,7 @@ def allocator_mark(device: torch.device) -> dict[str, float]:
         return {}
     torch.cuda.reset_peak_memory_stats(device)
     stats = torch.cuda.memory_stats(device)
-    return {"num_alloc_retries": stats.get("num_alloc_retries", 0), "num_ooms": stats.get("num_ooms", 0)}
+    return {"num_alloc_retries": stats.get("num_alloc_retries", 0)}
 
 
 def allocator_since(mark: dict[str, float], device: torch.device) -> dict[str, float]:

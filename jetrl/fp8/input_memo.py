@@ -37,7 +37,7 @@ class InputMemo(threading.local):
     def get(self, x: torch.Tensor, key: Any, make: Callable[[], Any]) -> Any:
         if x.is_inference():
             return make()
-        full_key = (x._version, key, x.is_cuda and torch.cuda.is_current_stream_capturing())
+        full_key = _full_key(x, key)
         if self._ref is None or self._ref() is not x or self._key != full_key:
             self._value = make()
             self._ref, self._key = weakref.ref(x), full_key
@@ -47,8 +47,12 @@ class InputMemo(threading.local):
         """Hold ``value`` as what ``get(x, key, ...)`` would compute now (ignored for inference tensors)."""
         if not x.is_inference():
             self._value = value
-            self._ref, self._key = weakref.ref(x), (x._version, key, x.is_cuda and torch.cuda.is_current_stream_capturing())
+            self._ref, self._key = weakref.ref(x), _full_key(x, key)
 
     def clear(self) -> None:
         """Drop the held value (and its memory) now."""
         self._ref = self._key = self._value = None
+
+
+def _full_key(x: torch.Tensor, key: Any) -> tuple:
+    return x._version, key, x.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -165,22 +165,17 @@ def quantize(
         codes, scales = impl(x, block[0], block[1], pow2_scale, col_major_scales=col_major_scales)
         return _finish(Float8Blocks(codes, scales, tuple(block)), check_finite, name)
     _check_out(out, x, tuple(block), name)
-    if impl is _impls.get("triton") and out.codes.is_contiguous():
-        impl(x, block[0], block[1], pow2_scale, out=(out.codes, out.scales))  # written in place by the kernel
-    else:
-        codes, scales = impl(x, block[0], block[1], pow2_scale)
-        out.codes.copy_(codes)
-        out.scales.copy_(scales)
+    impl(x, block[0], block[1], pow2_scale, out=(out.codes, out.scales))
     return _finish(out, check_finite, name)
 
 
 def _check_out(out: Float8Blocks, x: torch.Tensor, block: tuple[int, int], name: str) -> None:
     expected = (-(-x.shape[0] // block[0]), -(-x.shape[1] // block[1]))
     if (tuple(out.block) != block or out.codes.shape != x.shape or out.codes.dtype != E4M3
-            or tuple(out.scales.shape) != expected or out.scales.dtype != torch.float32
+            or not out.codes.is_contiguous() or tuple(out.scales.shape) != expected or out.scales.dtype != torch.float32
             or out.codes.device != x.device or out.scales.device != x.device):
         raise ValueError(
-            f"{name}: quantize(out=...) needs E4M3 codes of shape {tuple(x.shape)} and float32 scales of shape "
+            f"{name}: quantize(out=...) needs contiguous E4M3 codes of shape {tuple(x.shape)} and float32 scales of shape "
             f"{expected} on {x.device} in {block} blocks; got codes {out.codes.dtype} {tuple(out.codes.shape)}, "
             f"scales {out.scales.dtype} {tuple(out.scales.shape)}, block {tuple(out.block)}"
         )
@@ -215,12 +210,16 @@ def _finish(out: Float8Blocks, check_finite: bool, name: str) -> Float8Blocks:
     return out
 
 
-def quantize_reference(x: torch.Tensor, br: int, bc: int, pow2_scale: bool, *, col_major_scales: bool = False
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_reference(x: torch.Tensor, br: int, bc: int, pow2_scale: bool, *, col_major_scales: bool = False,
+                       out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The spec, in plain PyTorch: (codes, scales) of ``x`` (R, C) in (br, bc) blocks.
 
-    ``col_major_scales`` lays the same scales out column-major (see :func:`quantize`).
+    ``col_major_scales`` lays the same scales out column-major (see :func:`quantize`); ``out``: (codes,
+    scales) to copy the result into, and return.
     """
+    if out is not None:
+        codes, scales = quantize_reference(x, br, bc, pow2_scale)
+        return out[0].copy_(codes), out[1].copy_(scales)
     rows, cols = x.shape
     xf = x.float().contiguous()  # row-major codes even for a transposed view (the wgrad operand)
     pad_rows, pad_cols = -rows % br, -cols % bc
@@ -291,14 +290,19 @@ def _implementation(device: torch.device, block: tuple[int, int]) -> Callable:
 
 def assert_finite(q: Float8Blocks, name: str) -> None:
     """Raise :class:`NonFiniteError` naming ``name`` if any block of ``q`` held a NaN or an Inf."""
+    problem = nonfinite_problem(q, name)
+    if problem:
+        raise NonFiniteError(problem)
+
+
+def nonfinite_problem(q: Float8Blocks, name: str) -> str | None:
+    """What :func:`assert_finite` would raise, or None (one device sync)."""
     bad = ~torch.isfinite(q.scales)
-    if bool(bad.any()):
-        blocks = bad.nonzero()[:4].tolist()
-        raise NonFiniteError(
-            f"{name}: {int(bad.sum())} of {bad.numel()} FP8 blocks of shape {q.block} hold NaN/Inf "
-            f"(first block indices {blocks}). FP8 would turn them into NaN codes. Fix the source: "
-            "lower the learning rate or enable gradient clipping, or reload the last good checkpoint."
-        )
+    if not bool(bad.any()):
+        return None
+    return (f"{name}: {int(bad.sum())} of {bad.numel()} FP8 blocks of shape {q.block} hold NaN/Inf "
+            f"(first block indices {bad.nonzero()[:4].tolist()}). FP8 would turn them into NaN codes. Fix the "
+            "source: lower the learning rate or enable gradient clipping, or reload the last good checkpoint.")
 
 
 def _validate(x: torch.Tensor, block: tuple[int, int], name: str) -> None:

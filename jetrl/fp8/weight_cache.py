@@ -42,7 +42,15 @@ from collections.abc import Iterator
 
 import torch
 
-from jetrl.fp8.quant import E4M3, Float8Blocks, NonFiniteError, assert_finite, quantize, transpose_codes
+from jetrl.fp8.quant import (
+    E4M3,
+    Float8Blocks,
+    NonFiniteError,
+    assert_finite,
+    nonfinite_problem,
+    quantize,
+    transpose_codes,
+)
 from jetrl.fp8.recipe import QuantSpec
 
 
@@ -75,14 +83,12 @@ def _check_all(pending: list[tuple[WeightCache, Float8Blocks]]) -> None:
         by_device.setdefault(q.scales.device, []).append(q.scales.reshape(-1))
     if not any(bool((~torch.isfinite(torch.cat(scales))).any()) for scales in by_device.values()):
         return
-    bad = [(cache, q) for cache, q in pending if not bool(torch.isfinite(q.scales).all())]
+    problems = [(cache, nonfinite_problem(q, cache.name)) for cache, q in pending]
+    bad = [(cache, problem) for cache, problem in problems if problem]
     for cache, _ in bad:
         cache.invalidate()
     names = ", ".join(cache.name for cache, _ in bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
-    try:
-        assert_finite(bad[0][1], bad[0][0].name)
-    except NonFiniteError as exc:
-        raise NonFiniteError(f"{len(bad)} weight(s) hold NaN/Inf: {names}. First: {exc}") from None
+    raise NonFiniteError(f"{len(bad)} weight(s) hold NaN/Inf: {names}. First: {bad[0][1]}")
 
 
 def track_optimizer(optimizer: torch.optim.Optimizer):

@@ -78,7 +78,7 @@ def _store_quantized(y, rows, col0, num_rows, num_cols, codes_ptr, scales_ptr, s
     stored in the model dtype): the quantizer's own row arithmetic (``quantize_rows``), so the codes (row-major
     (num_rows, num_cols)) and scales (one per row and group, through their strides) are ``quantize``'s."""
     groups = tl.reshape(y.to(tl.float32), (R * (C // 128), 128))
-    if pow2:
+    if pow2:  # a runtime value, like ``quant``: both branches are the one row quantizer
         code_bits, scale = quantize_rows(groups, True, EXPLICIT_ROUND)
     else:
         code_bits, scale = quantize_rows(groups, False, EXPLICIT_ROUND)
