@@ -108,6 +108,23 @@ def test_reference_never_reads_stale_positions(fp8):
     assert torch.equal(out[0], v_hat[0, :, 0].repeat_interleave(4, dim=0))  # length 0: position 0 only
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_public_function_writes_o_projs_fp8_input(head_dim):
+    """``quantized`` buffers receive quantize(out) of o_proj's (B, H * D) input, whichever path computes it."""
+    from jetrl.fp8.quant import quantize
+    from jetrl.models.fused import QuantizedOutput
+
+    q, k, v, lengths, ks, vs = make_inputs(3, 4, 2, 40, head_dim, [39, 0, 17], torch.bfloat16, True)
+    width = 4 * head_dim
+    codes, scales = torch.zeros(3, width, dtype=E4M3), torch.zeros(width // 128, 3).t()
+    out = decode_attention(q, k, v, lengths, k_scales=ks, v_scales=vs, quantized=QuantizedOutput(codes, scales, True))
+    ref = quantize(out.reshape(3, width), (1, 128), pow2_scale=True)
+    assert torch.equal(codes.view(torch.uint8), ref.codes.view(torch.uint8)) and torch.equal(scales, ref.scales)
+    with pytest.raises(ValueError, match="quantized must hold contiguous float8_e4m3fn codes"):
+        decode_attention(q, k, v, lengths, k_scales=ks, v_scales=vs,
+                         quantized=QuantizedOutput(codes[:, :128], scales, True))
+
+
 def test_public_function_runs_the_reference_on_cpu():
     q, k, v, lengths, ks, vs = make_inputs(2, 8, 2, 16, 64, [5, 15], torch.bfloat16, True)
     assert decode_attention_backend("cpu") == "reference"
@@ -226,10 +243,17 @@ def test_gpu_branches_compile_for_hopper():
         assert ("mma.sync" in ptx or "wgmma" in ptx) and compiled.asm["cubin"], kind
         if kind == "fp8 pow2":  # V's codes become fp16 where they are loaded (module docstring)
             assert "cvt.rn.f16x2.e4m3x2" in ptx and "ld.shared.u8" not in ptx and "ld.shared.b8" not in ptx
+            # with o_proj's FP8 input written in the epilogue (hardware E4M3 conversion, no software rounding)
+            quant = compile_like_launch(kernels._decode_attention_kernel, decode_attention_args(True),
+                                        {**constexprs, "NUM_SPLITS": 1, "QUANT": True, "QUANT_POW2": True},
+                                        num_warps=warps, num_stages=stages)
+            assert "cvt.rn.satfinite.e4m3x2.f32" in quant.asm["ptx"], kind
     constexprs = {"DTYPE": tl.bfloat16, "NUM_SPLITS": 4, "SPLITS_P2": 4, "BLOCK_S": 64, "BLOCK_D": 128,
                   "EMULATE": False}
-    merge = compile_for_sm90(kernels._merge_splits_kernel, constexprs, {"lengths_ptr": "*i64", "out_ptr": "*bf16"})
-    assert merge.asm["cubin"]
+    for quant in (False, True):
+        merge = compile_for_sm90(kernels._merge_splits_kernel, {**constexprs, "QUANT": quant},
+                                 {"lengths_ptr": "*i64", "out_ptr": "*bf16", "codes_ptr": "*u8"})
+        assert merge.asm["cubin"]
 
 
 # SASS instructions per loop iteration (one tile of BLOCK_S positions, one warp) at the default tiles,
@@ -361,6 +385,28 @@ for dtype in (fp16, fp32):
     out = decode_attention_triton(q, k, v, lengths, k_scales=ks, v_scales=vs, pow2_scales=True, block_s=16,
                                   num_splits=2)
     torch.testing.assert_close(out, ref, **TOLERANCE[dtype], msg=lambda m: f"pow2 {dtype}: {m}")
+# o_proj's FP8 input written in the epilogue (D = 128: a head is a 1x128 group), by the attention kernel
+# (1 split) or by the merge (3): quantize()'s codes and scales of the output, bit for bit, in the buffers'
+# layout (contiguous codes, column-major scales as the producer slots allocate them)
+from jetrl.fp8.quant import quantize
+from jetrl.models.fused import QuantizedOutput
+# (a BF16 cache in one split quantizes after the kernel: the wrapper's rule; same result)
+for i, (fp8, pow2_cache, pow2, num_splits) in enumerate([(True, True, False, 1), (True, True, True, 3),
+                                                          (True, False, True, 1), (True, False, False, 2),
+                                                          (False, False, True, 1), (False, False, False, 2)]):
+    B, H = len(LENGTHS), 8
+    q, k, v, lengths, ks, vs = make_inputs(B, H, 2, S, 128, LENGTHS, bf16, fp8, seed=80 + i, pow2=pow2_cache)
+    q[2] = q[2] * 40  # a sharp row: other code magnitudes
+    codes = torch.full((B, H * 128), float("nan")).to(torch.float8_e4m3fn)
+    scales = torch.full((H, B), -1.0).t()
+    out = decode_attention_triton(q, k, v, lengths, k_scales=ks, v_scales=vs, pow2_scales=pow2_cache, block_s=16,
+                                  num_splits=num_splits, quantized=QuantizedOutput(codes, scales, pow2))
+    ref = quantize(out.reshape(B, -1), (1, 128), pow2_scale=pow2)
+    assert torch.equal(codes.view(torch.uint8), ref.codes.view(torch.uint8)), (fp8, pow2, num_splits)
+    assert torch.equal(scales, ref.scales), (fp8, pow2, num_splits)
+    plain = decode_attention_triton(q, k, v, lengths, k_scales=ks, v_scales=vs, pow2_scales=pow2_cache, block_s=16,
+                                    num_splits=num_splits)
+    assert torch.equal(plain, out), (fp8, pow2, num_splits)  # the epilogue changes nothing else
 print(f"OK {time.time() - start:.1f}s")
 """
 

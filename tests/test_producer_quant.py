@@ -19,12 +19,13 @@ def test_fp8_recipes_fill_the_producer_slots_and_bf16_does_not():
     model = convert_to_float8(CausalLM(CFG), get_recipe("jet"))
     for layer in model.model.layers:
         assert layer.input_layernorm.output_quant.consumer is layer.self_attn.q_proj
+        assert layer.self_attn.output_quant.consumer is layer.self_attn.o_proj
         assert layer.post_attention_layernorm.output_quant.consumer is layer.mlp.gate_proj
         assert layer.mlp.act_quant.consumer is layer.mlp.down_proj
     assert model.model.norm.output_quant is None  # the final norm feeds the BF16 lm_head
     remove_producer_quant(model)
     assert all(getattr(m, s, None) is None for m in model.modules() for s in ("output_quant", "act_quant"))
-    assert install_producer_quant(model) == 3 * CFG.num_hidden_layers
+    assert install_producer_quant(model) == 4 * CFG.num_hidden_layers
     bf16 = convert_to_float8(CausalLM(CFG), get_recipe("bf16"))
     assert all(getattr(m, s, None) is None for m in bf16.modules() for s in ("output_quant", "act_quant"))
 
@@ -97,3 +98,32 @@ def test_kernels_quantizing_or_not_compute_the_same_output(rows):
         ref = quantize(a, (1, 128))
         assert torch.equal(q.codes.view(torch.uint8), ref.codes.view(torch.uint8))
         assert torch.equal(q.scales.view(torch.int32), ref.scales.view(torch.int32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", ["jet", "jet_kv"])
+def test_engine_decode_with_producer_codes_equals_the_consumers_own(recipe, monkeypatch):
+    """On the GPU, through the engine's CUDA-graph decode: with the slots filled (the decode attention kernel
+    writes o_proj's FP8 input in its epilogue, head_dim 128) the sampled tokens and logprobs are bit for bit
+    those of the consumers quantizing their inputs themselves."""
+    from jetrl.engine import Engine, SamplingParams
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, qk_norm=True, architecture="Qwen3ForCausalLM")
+    model = convert_to_float8(CausalLM(cfg).to("cuda", torch.bfloat16), get_recipe(recipe))
+    prompts = [torch.randint(0, 512, (n,)).tolist() for n in (5, 17, 33, 9, 60)]
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=24, seed=0)
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("head_dim 128: the kernel's epilogue, not a separate quantize, writes o_proj's input")
+
+    with monkeypatch.context() as patch:
+        patch.setattr("jetrl.engine.decode_attention.quantize", no_fallback)
+        fused = Engine(model, max_slots=16, max_len=128).generate(prompts, params)
+    assert model.model.layers[0].self_attn.output_quant is not None
+    remove_producer_quant(model)
+    plain = Engine(model, max_slots=16, max_len=128).generate(prompts, params)
+    for a, b in zip(fused, plain):
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids and x.logprobs == y.logprobs

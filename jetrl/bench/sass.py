@@ -24,6 +24,7 @@ Needs Triton (its bundled ``cuobjdump``); imported lazily by callers.
 from __future__ import annotations
 
 import collections
+import inspect
 import os
 import re
 import subprocess
@@ -53,7 +54,8 @@ class LoopMix:
 def compile_like_launch(fn, args: dict[str, Any], constexprs: dict[str, Any], *, num_warps: int, num_stages: int):
     """Compile Triton kernel ``fn`` for sm_90 as a launch with ``args`` (name -> tensor / int / float) would.
 
-    ``constexprs`` are the kernel's ``tl.constexpr`` parameters; every other parameter must be in
+    ``constexprs`` are the kernel's ``tl.constexpr`` parameters (those with a default may be left out); every
+    other parameter must be in
     ``args``. Pointers are represented by tensors of the launch's dtype (any size: only the dtype
     and the 16-byte alignment of the allocation matter).
     """
@@ -62,6 +64,8 @@ def compile_like_launch(fn, args: dict[str, Any], constexprs: dict[str, Any], *,
     from triton.compiler import ASTSource
     from triton.runtime.jit import native_specialize_impl
 
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty}
+    constexprs = {**defaults, **constexprs}  # a launch that leaves a defaulted constexpr out gets its default
     signature, consts, attrs = {}, dict(constexprs), {}
     for index, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -125,6 +129,7 @@ def decode_attention_args(fp8: bool, B: int = 256, H: int = 32, Hkv: int = 8, S:
     bf16, f32, i64 = torch.empty(1, dtype=torch.bfloat16), torch.empty(1), torch.empty(1, dtype=torch.int64)
     args = {"q_ptr": bf16, "k_ptr": cache, "v_ptr": cache, "k_scales_ptr": f32, "v_scales_ptr": f32,
             "lengths_ptr": i64, "row_order_ptr": i64, "out_ptr": bf16, "part_out_ptr": f32, "part_lse_ptr": f32,
+            "codes_ptr": torch.empty(1, dtype=torch.uint8), "codes_scales_ptr": f32, "stride_csr": 1, "stride_csc": B,
             "num_kv_heads": Hkv, "S": S, "D": D, "qk_scale": 0.1, "stride_lb": 1}
     cache_strides = (Hkv * S * D, S * D, D, 1)
     layouts = {"q": ("bhd", (H * D, D, 1)), "o": ("bhd", (H * D, D, 1)), "k": ("bhsd", cache_strides),

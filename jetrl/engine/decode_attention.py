@@ -61,7 +61,8 @@ import torch
 from torch import Tensor
 
 from jetrl.fp8.kv_quant import dequantize_kv
-from jetrl.fp8.quant import E4M3
+from jetrl.fp8.quant import BLOCK, E4M3, Float8Blocks, quantize
+from jetrl.models.fused import QuantizedOutput
 from jetrl.overrides import ScopedOverride, env_choice
 
 MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -109,6 +110,7 @@ def decode_attention(
     sm_scale: float | None = None,
     pow2_scales: bool = False,
     row_order: Tensor | None = None,
+    quantized: QuantizedOutput | None = None,
 ) -> Tensor:
     """Attention of each row's pending token over its cached keys ``0..lengths[b]`` (inclusive).
 
@@ -127,15 +129,29 @@ def decode_attention(
     the same), only the time: longest first avoids a tail of long rows running alone at the end
     (kernels/decode_attention_triton.py). Checked to be a permutation on the CPU only (a check on the
     GPU would be a host sync); the reference ignores it.
+
+    ``quantized`` (:class:`~jetrl.models.fused.QuantizedOutput`): also write ``quantize(out.reshape(B, H * D))``
+    in 1x128 groups -- o_proj's FP8 input -- into these buffers, codes (B, H * D) and scales (B, H * D / 128).
+    The kernel does it in its epilogue where that pays (``decode_attention_triton``); anywhere else the
+    quantizer runs on the output, with the same result.
     """
-    _validate(q, k, v, lengths, k_scales, v_scales, row_order)
+    _validate(q, k, v, lengths, k_scales, v_scales, row_order, quantized)
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     if q.shape[0] == 0:
         return torch.empty_like(q)
     backend = decode_attention_backend(q.device)
     impl = _implementation(backend, q.device)
-    kw = {"pow2_scales": pow2_scales, "row_order": row_order} if backend == "triton" else {}
-    return impl(q, k, v, lengths, k_scales=k_scales, v_scales=v_scales, sm_scale=sm_scale, **kw)
+    kw = {"pow2_scales": pow2_scales, "row_order": row_order, "quantized": quantized} if backend == "triton" else {}
+    out = impl(q, k, v, lengths, k_scales=k_scales, v_scales=v_scales, sm_scale=sm_scale, **kw)
+    if quantized is not None and backend == "reference":
+        quantize_output(out, quantized)
+    return out
+
+
+def quantize_output(out: Tensor, quantized: QuantizedOutput) -> None:
+    """``quantize(out.reshape(B, H * D))`` in 1x128 groups -- o_proj's FP8 input -- into ``quantized``'s buffers."""
+    codes, scales, pow2 = quantized
+    quantize(out.reshape(out.shape[0], -1), (1, BLOCK), pow2_scale=pow2, out=Float8Blocks(codes, scales, (1, BLOCK)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -196,7 +212,7 @@ def longest_first(lengths: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------
 def _validate(
     q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scales: Tensor | None, v_scales: Tensor | None,
-    row_order: Tensor | None = None,
+    row_order: Tensor | None = None, quantized: QuantizedOutput | None = None,
 ) -> None:
     for name, t in (("q", q), ("k", k), ("v", v), ("lengths", lengths)):
         if not isinstance(t, Tensor):
@@ -229,7 +245,18 @@ def _validate(
             )
         if row_order.device.type == "cpu" and not torch.equal(torch.sort(row_order).values, torch.arange(B)):
             raise ValueError("decode_attention: row_order must be a permutation of 0..B-1 (each row exactly once)")
-    devices = {t.device for t in (q, k, v, lengths, k_scales, v_scales, row_order) if t is not None}
+    if quantized is not None:
+        codes, scales, _ = quantized
+        width = q.shape[1] * q.shape[2]
+        if (width % BLOCK or codes.dtype != E4M3 or codes.shape != (q.shape[0], width) or not codes.is_contiguous()
+                or scales.dtype != torch.float32 or scales.shape != (q.shape[0], width // BLOCK)):
+            raise ValueError(
+                f"decode_attention: quantized must hold contiguous float8_e4m3fn codes ({q.shape[0]}, H * D = {width}) "
+                f"and float32 scales ({q.shape[0]}, {width // BLOCK}) with H * D a multiple of {BLOCK} (o_proj's 1x128 "
+                f"input); got codes {codes.dtype} {tuple(codes.shape)}, scales {scales.dtype} {tuple(scales.shape)}"
+            )
+    tensors = (q, k, v, lengths, k_scales, v_scales, row_order, *(quantized[:2] if quantized is not None else ()))
+    devices = {t.device for t in tensors if t is not None}
     if len(devices) != 1:
         raise ValueError(f"decode_attention: all tensors must be on one device, got {sorted(map(str, devices))}")
     if k.dtype != v.dtype:

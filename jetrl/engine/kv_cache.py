@@ -40,7 +40,7 @@ returns the whole fixed-length row, ``(B, Hkv, max_len, D)``, so its ``offset`` 
 ``max_len - 1`` (``offset + T`` keys) and the per-row validity comes from :meth:`decode_mask`.
 
 Fused decode (GPU): with ``use_decode_kernel`` set (the engine sets it on CUDA when Triton is
-available) a decode view also exposes ``attend(layer, q, k, v)``: it stores k/v as ``update``
+available) a decode view also exposes ``attend(layer, q, k, v[, quantized])``: it stores k/v as ``update``
 does and returns ``jetrl.engine.decode_attention.decode_attention`` over the cache rows, which
 reads FP8 codes and scales directly instead of materializing a dequantized cache, and the step's
 K/V are written (and quantized) by one fused kernel (``kernels/kv_store_triton.py``, spec
@@ -265,8 +265,9 @@ class DecodeView:
         self._store(layer_idx, k, v)
         return self.cache.read(layer_idx, self.num_rows)
 
-    def _attend_fused(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Store k/v, then the decode attention kernel over the cache rows: q (B, H, 1, D) -> (B, H, 1, D)."""
+    def _attend_fused(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, quantized=None) -> Tensor:
+        """Store k/v, then the decode attention kernel over the cache rows: q (B, H, 1, D) -> (B, H, 1, D).
+        ``quantized``: the output's FP8 codes for o_proj too (``decode_attention``'s argument)."""
         from jetrl.engine.decode_attention import decode_attention, longest_first  # lazy: Triton, GPU only
 
         self._store(layer_idx, k, v)
@@ -277,5 +278,5 @@ class DecodeView:
         v_scales = cache.v_scale[layer_idx, :B] if cache.is_fp8 else None
         out = decode_attention(q[:, :, 0], cache.k[layer_idx, :B], cache.v[layer_idx, :B], cache.lengths[:B],
                                k_scales=k_scales, v_scales=v_scales, sm_scale=q.shape[-1] ** -0.5,
-                               pow2_scales=cache.pow2_scales, row_order=self._row_order)
+                               pow2_scales=cache.pow2_scales, row_order=self._row_order, quantized=quantized)
         return out.unsqueeze(2)

@@ -2,26 +2,31 @@
 
 Why: without autograd, every :class:`~jetrl.fp8.linear.Float8Linear` quantizes its input in a launch of its
 own -- four per layer and decode step (q/k/v's, o's, gate/up's and down's inputs; siblings share one). At
-decode sizes each is a latency-bound ~2.5 µs kernel (docs/benchmarks.md, sections c and d). Three of the four
-inputs come out of a fused kernel that already holds the values in registers: the input RMSNorm (-> q/k/v),
-the post-attention residual add + RMSNorm (-> gate/up) and SwiGLU (-> down). A :class:`ProducerQuant` in the
-model's slot (``RMSNorm.output_quant``, ``MLP.act_quant``) asks that kernel to write the 1x128 codes and scales
-too, and hands them to the consumer through the same memo siblings share (input_memo.py: keyed by the output
-tensor object and its version), so the consumer's own quantization is a hit.
+decode sizes each is a latency-bound ~2.5 µs kernel (docs/benchmarks.md, sections c and d). All four inputs
+come out of a kernel that already holds the values in registers: the input RMSNorm (-> q/k/v), the decode
+attention (-> o), the post-attention residual add + RMSNorm (-> gate/up) and SwiGLU (-> down). A
+:class:`ProducerQuant` in the model's slot (``RMSNorm.output_quant``, ``Attention.output_quant``,
+``MLP.act_quant``) asks that kernel to write the 1x128 codes and scales too, and hands them to the consumer
+through the same memo siblings share (input_memo.py: keyed by the output tensor object and its version), so
+the consumer's own quantization is a hit.
 
-Exactness, both halves checked by tests:
+Exactness, checked by tests:
 
 * the codes and scales are ``quantize(y)``'s, bit for bit: the epilogue is the quantizer's row function
   (``quantize_rows``) on the stored values y;
-* y itself does not change: the kernel is one compiled binary whether or not it quantizes (a runtime flag,
-  jetrl/models/kernels/fused_triton.py), so the engine's decode and the trainer's forward -- which never
-  quantizes there, it needs both layouts (linear.py) -- compute the same y and stay one graph.
+* y itself does not change. The norms and SwiGLU are one compiled binary whether or not they quantize (a
+  runtime flag, jetrl/models/kernels/fused_triton.py), so the engine's decode and the trainer's forward --
+  which never quantizes there, it needs both layouts (linear.py) -- compute the same y and stay one graph.
+  The decode attention kernel (jetrl/engine/kernels/decode_attention_triton.py) runs in the engine only;
+  its epilogue comes after the output is rounded and stored, and a head of D = 128 is one group, so the
+  codes are ``quantize`` of exactly the output the kernel returns.
 
-When: no autograd, on CUDA with the fused ops and the Triton quantizer, the consumer FP8 in the current phase
-with 1x128 input groups, and the width a multiple of 128. Anywhere else the slot asks for nothing and the
-consumer quantizes its input itself, with the same result. Nothing is computed twice when the memo misses
-(a hook replaced the tensor, say): the consumer just quantizes again. ``JETRL_PRODUCER_QUANT=0`` (read when the
-model is converted) installs nothing.
+When: no autograd, on CUDA with the fused kernels and the Triton quantizer, the consumer FP8 in the current
+phase with 1x128 input groups, and the width a multiple of 128 (the attention's slot is read only by a KV
+cache's fused decode ``attend``). Anywhere else the slot asks for nothing and the consumer quantizes its
+input itself, with the same result. Nothing is computed twice when the memo misses (a hook replaced the
+tensor, say): the consumer just quantizes again. ``JETRL_PRODUCER_QUANT=0`` (read when the model is
+converted) installs nothing.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ ENV = "JETRL_PRODUCER_QUANT"
 # consumer's input (the first sibling called, whose name the quantization is recorded under)
 PRODUCERS = (
     ("input_layernorm", "output_quant", "self_attn.q_proj"),
+    ("self_attn", "output_quant", "self_attn.o_proj"),
     ("post_attention_layernorm", "output_quant", "mlp.gate_proj"),
     ("mlp", "act_quant", "mlp.down_proj"),
 )

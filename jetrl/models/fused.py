@@ -55,10 +55,10 @@ class QuantizedOutput(NamedTuple):
 
 
 class OutputQuant(Protocol):
-    """What the model's ``output_quant`` (RMSNorm) and ``act_quant`` (MLP) slots hold: None in the pure model;
-    the FP8 transform installs jetrl.fp8.producer_quant.ProducerQuant, which asks the fused kernel producing a
-    linear layer's input to write its FP8 codes too (the fused path without autograd only; elsewhere the
-    slot is ignored and the layer quantizes its input itself, with the same result)."""
+    """What the model's ``output_quant`` (RMSNorm, Attention) and ``act_quant`` (MLP) slots hold: None in the
+    pure model; the FP8 transform installs jetrl.fp8.producer_quant.ProducerQuant, which asks the fused kernel
+    producing a linear layer's input to write its FP8 codes too (the fused path without autograd only;
+    elsewhere the slot is ignored and the layer quantizes its input itself, with the same result)."""
 
     def buffers(self, rows: int, cols: int, device: torch.device) -> QuantizedOutput | None:
         """Where to write the codes for an output of (rows, cols), or None: the consumer quantizes itself."""
@@ -71,7 +71,8 @@ def _quantized(quant: OutputQuant | None, x: Tensor) -> QuantizedOutput | None:
     return None if quant is None else quant.buffers(x.numel() // x.shape[-1], x.shape[-1], x.device)
 
 
-def _published(out: Tensor, quant: OutputQuant | None, quantized: QuantizedOutput | None) -> Tensor:
+def published(out: Tensor, quant: OutputQuant | None, quantized: QuantizedOutput | None) -> Tensor:
+    """``out``, after handing the codes written for it (if any) to its consumer: ``quant.publish``."""
     if quantized is not None:
         quant.publish(out, quantized)
     return out
@@ -139,7 +140,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, quant: OutputQuant | None = 
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _FusedRMSNorm.apply(x, weight, eps)
     quantized = _quantized(quant, x)
-    return _published(rms_norm_triton(x, weight, eps, quantized), quant, quantized)
+    return published(rms_norm_triton(x, weight, eps, quantized), quant, quantized)
 
 
 def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float,
@@ -156,7 +157,7 @@ def add_rms_norm(x: Tensor, delta: Tensor, weight: Tensor, eps: float,
         return _FusedAddRMSNorm.apply(x, delta, weight, eps)
     quantized = _quantized(quant, x)
     h, y = add_rms_norm_triton(x, delta, weight, eps, quantized)
-    return h, _published(y, quant, quantized)
+    return h, published(y, quant, quantized)
 
 
 def norm_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_norm: Any = None,
@@ -204,7 +205,7 @@ def silu_mul(gate: Tensor, up: Tensor, quant: OutputQuant | None = None) -> Tens
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return _FusedSiluMul.apply(gate, up)
     quantized = _quantized(quant, gate)
-    return _published(silu_mul_triton(gate, up, quantized), quant, quantized)
+    return published(silu_mul_triton(gate, up, quantized), quant, quantized)
 
 
 class _FusedSiluMul(torch.autograd.Function):

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from jetrl.models.config import ModelConfig
-from jetrl.models.fused import OutputQuant, add_rms_norm, norm_rope, rms_norm, silu_mul
+from jetrl.models.fused import OutputQuant, add_rms_norm, norm_rope, published, rms_norm, silu_mul
 
 
 class KVCache(Protocol):
@@ -50,7 +50,9 @@ class KVCache(Protocol):
 
     Optional: a cache may expose ``attend(layer_idx, q, k, v) -> (B, H, T, D)``, not None, to
     store k/v *and* compute attention itself (a fused decode kernel that reads FP8 K/V
-    directly); the model then skips ``update`` and its own attention for that call.
+    directly); the model then skips ``update`` and its own attention for that call. With the
+    attention's ``output_quant`` slot filled, it is called as ``attend(..., quantized=buffers)`` and
+    also writes o_proj's FP8 input (``jetrl.models.fused.OutputQuant``).
     """
 
     offset: int
@@ -138,6 +140,9 @@ class Attention(nn.Module):
         # pure model; jetrl.fp8.convert_to_float8 installs jetrl.models.stacked_projections.StackedProjections
         # (BF16, no autograd, CUDA).
         self.qkv_stack: Callable[[nn.Module, Tensor], tuple[Tensor, ...] | None] | None = None
+        # the FP8 codes of o_proj's input, written by a cache's fused ``attend``, like ``RMSNorm.output_quant``:
+        # None in the pure model
+        self.output_quant: OutputQuant | None = None
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, kv_cache: KVCache | None = None
@@ -154,15 +159,20 @@ class Attention(nn.Module):
         # A cache stores them here (an FP8 cache quantizes here) and returns all K/V to attend over;
         # without a cache, ``kv_quant`` applies the same quantize->dequantize (FP8 KV recipes).
         attend = getattr(kv_cache, "attend", None)  # optional fused path (KVCache docstring)
+        quantized = None
         if attend is not None:
-            out = attend(self.layer_idx, q, k, v)  # (B, H, T, D): the cache's fused kernel
+            if self.output_quant is not None:
+                quantized = self.output_quant.buffers(B * T, self.num_heads * self.head_dim, x.device)
+            extra = {} if quantized is None else {"quantized": quantized}
+            out = attend(self.layer_idx, q, k, v, **extra)  # (B, H, T, D): the cache's fused kernel
         else:
             if kv_cache is not None:
                 k, v = kv_cache.update(self.layer_idx, k, v)
             elif self.kv_quant is not None:
                 k, v = self.kv_quant(k, v)
             out = self._attend(q, k, v, mask)  # (B, H, T, D)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+        out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # the very tensor o_proj reads
+        return self.o_proj(published(out, self.output_quant, quantized))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         """SDPA over q (B, H, T, D) and k/v (B, Hkv, S, D).

@@ -32,6 +32,14 @@ fixed order. :func:`choose_num_splits` picks the count from shapes only (at leas
 each split at least 2 tiles long), so a given shape always gives the same bits. A row's bits do
 depend on ``num_splits``, hence on the batch size; pass ``num_splits`` to pin them.
 
+o_proj's FP8 input. With ``quantized`` buffers (jetrl/fp8/producer_quant.py) the last kernel -- this one,
+or the split merge -- also writes the 1x128 codes and scales of its output as o_proj reads it, (B, H * D):
+with D = 128 a head is one group, so the epilogue is the quantizer's row function on the rounded output, and
+the codes are ``quantize``'s bit for bit. Measured on the H200 (bench/sweep_attention_splits.py): at B = 64
+(two splits, the merge quantizes) it adds 0.05-0.4 µs against a 2.1 µs quantize launch; at B = 256 over the
+FP8 cache (one split) nothing; over a BF16 cache in one split it added 6 µs (the separate pass: 2.8), so
+there the wrapper quantizes after the kernel instead.
+
 Row order. Rows of a rollout batch differ in length by up to 10x, and a program's time is its
 row's length, so the launch order matters: started in batch order, the long rows that happen to
 come last run alone at the end (a tail of idle SMs). With ``row_order`` (a permutation of the rows,
@@ -87,13 +95,21 @@ import torch
 import triton
 import triton.language as tl
 
+from jetrl.engine.decode_attention import quantize_output
+from jetrl.fp8.kernels.quant_triton import explicit_round, quantize_rows
 from jetrl.fp8.kernels.rounding import INTERPRET, round_to
+from jetrl.fp8.quant import BLOCK as GROUP
 from jetrl.fp8.quant import E4M3
 
 LOG2E = 1.4426950408889634
 PROGRAMS_PER_SM = 4  # split rule: grid of >= 4 programs per SM (loads in flight, fewer idle SMs in the last wave)
 MIN_SPLIT_TILES = 2  # a split covers at least this many BLOCK_S tiles of the longest possible row
 MAX_SPLITS = 32
+EPILOGUE_HEAD_DIM = GROUP  # o_proj's input quantized in the epilogue when a head is one 1x128 group
+# warps per (row, head) program of the split merge: 1 keeps its reductions (over the splits, and the epilogue's
+# amax over D) inside a warp; at B = 64 the merge with the epilogue took 1.6 µs more with 4 warps, 0.05 with 1
+# (bench/sweep_attention_splits.py, docs/benchmarks.md (d))
+MERGE_WARPS = 1
 DEFAULT_NUM_SMS = 132  # H100 / H200; used off-GPU (interpreter)
 # (block_s, num_warps, num_stages) per cache kind: the H200 sweep's best (bench/sweep_decode_attention.py)
 DEFAULT_TILES = {"model dtype": (32, 1, 2), "fp8": (32, 1, 3), "fp8 pow2": (32, 1, 3)}
@@ -203,8 +219,21 @@ def _split_chunk(n_valid, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
 
 
 @triton.jit
+def _store_head_codes(out, b, heads, head_mask, offs_d, codes_ptr, scales_ptr, num_heads, stride_sr, stride_sc,
+                      POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The 1x128 quantization of o_proj's input row b, (H * 128) wide, for the heads of ``out``, a
+    (len(heads), 128) tile in the model dtype: with D = 128 each head is one group, so this is the quantizer's
+    row function (``quantize_rows``) on the stored values -- ``quantize``'s codes and scales, bit for bit."""
+    code_bits, scale = quantize_rows(out.to(tl.float32), POW2, EXPLICIT_ROUND)
+    tl.store(codes_ptr + (b * num_heads + heads[:, None]) * BLOCK_D + offs_d[None, :], code_bits,
+             mask=head_mask[:, None])
+    tl.store(scales_ptr + b * stride_sr + heads * stride_sc, scale, mask=head_mask)
+
+
+@triton.jit
 def _decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, k_scales_ptr, v_scales_ptr, lengths_ptr, row_order_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    codes_ptr, codes_scales_ptr, stride_csr, stride_csc,
     num_kv_heads, S, D, qk_scale, stride_lb,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -214,7 +243,8 @@ def _decode_attention_kernel(
     stride_ob, stride_oh, stride_od,
     G: tl.constexpr, DTYPE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr, POW2_SCALES: tl.constexpr, ROW_ORDER: tl.constexpr,
-    EMULATE: tl.constexpr,
+    EMULATE: tl.constexpr, QUANT: tl.constexpr = False, QUANT_POW2: tl.constexpr = False,
+    EXPLICIT_ROUND: tl.constexpr = False,
 ):
     pid, split = tl.program_id(0), tl.program_id(1)
     b = pid // num_kv_heads
@@ -265,6 +295,9 @@ def _decode_attention_kernel(
         out = round_to(accT / l[None, :], DTYPE, EMULATE)
         tl.store(out_ptr + b * stride_ob + heads[None, :] * stride_oh + offs_d[:, None] * stride_od, out,
                  mask=out_mask)
+        if QUANT:  # o_proj's FP8 input (D = 128: a head is a group)
+            _store_head_codes(tl.trans(out), b, heads, g_mask, offs_d, codes_ptr, codes_scales_ptr,
+                              num_kv_heads * G, stride_csr, stride_csc, QUANT_POW2, EXPLICIT_ROUND, BLOCK_D)
     else:
         used = start < end
         l_safe = tl.where(l > 0, l, 1.0)  # l >= 1 in a used split; avoids 0/0 in an unused one
@@ -276,8 +309,10 @@ def _decode_attention_kernel(
 @triton.jit
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, lengths_ptr, out_ptr, H, S, D, stride_lb, stride_ob, stride_oh, stride_od,
+    codes_ptr, codes_scales_ptr, stride_csr, stride_csc,
     DTYPE: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr, EMULATE: tl.constexpr,
+    BLOCK_D: tl.constexpr, EMULATE: tl.constexpr, QUANT: tl.constexpr = False, QUANT_POW2: tl.constexpr = False,
+    EXPLICIT_ROUND: tl.constexpr = False,
 ):
     """One program per (b, h): out = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M) over the used splits."""
     pid = tl.program_id(0).to(tl.int64)  # b * H + h
@@ -290,8 +325,12 @@ def _merge_splits_kernel(
     lse = tl.load(part_lse_ptr + part, mask=used, other=float("-inf"))  # unused splits were never written
     w = tl.exp2(lse - tl.max(lse, axis=0))  # (SPLITS_P2,); 0 for unused splits (lse = -inf)
     o = tl.load(part_out_ptr + part[:, None] * D + offs_d[None, :], mask=used[:, None] & d_mask[None, :], other=0.0)
-    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od, round_to(out, DTYPE, EMULATE), mask=d_mask)
+    out = round_to(tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0), DTYPE, EMULATE)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d * stride_od, out, mask=d_mask)
+    if QUANT:  # o_proj's FP8 input, as in the first kernel
+        head = tl.full([1], 0, tl.int64) + h
+        _store_head_codes(tl.reshape(out, (1, BLOCK_D)), b, head, head < H, offs_d, codes_ptr, codes_scales_ptr, H,
+                          stride_csr, stride_csc, QUANT_POW2, EXPLICIT_ROUND, BLOCK_D)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, block_s: int, num_sms: int) -> int:
@@ -325,8 +364,16 @@ def decode_attention_triton(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    quantized=None,
+    merge_warps: int = MERGE_WARPS,
 ) -> torch.Tensor:
     """Same signature and result as ``decode_attention_reference``: (B, H, D) in q.dtype.
+
+    ``quantized`` (a :class:`jetrl.models.fused.QuantizedOutput`): also write the 1x128 FP8 quantization of the
+    output as o_proj reads it, (B, H * D), into these buffers (codes contiguous, scales (B, H * D / 128) of any
+    strides). With D = 128 the last kernel -- the split merge, or the attention itself over an FP8 cache --
+    does it in its epilogue; otherwise the quantizer runs on the output (a model-dtype cache in one split:
+    there the epilogue cost the H200 6 µs at B = 256, the separate pass 2.8; docs/benchmarks.md (d)).
 
     ``block_s``, ``num_splits`` (None: :func:`choose_num_splits`), ``num_warps`` and ``num_stages``
     (None: ``DEFAULT_TILES``, the H200 sweep's best per cache kind) exist for the bench's sweep.
@@ -361,19 +408,36 @@ def decode_attention_triton(
         ks, vs, ks_strides, vs_strides = lengths, lengths, (0, 0, 0), (0, 0, 0)  # placeholders, never read
     G, dtype = H // Hkv, _TL_DTYPES[q.dtype]
     block_d = max(16, triton.next_power_of_2(D))
+    epilogue = quantized if D == EPILOGUE_HEAD_DIM and (is_fp8 or num_splits > 1) else None
+    codes_args, quant_kw = _quant_args(epilogue, out)  # for the last kernel: this one, or the merge
+    attn_args, attn_kw = (codes_args, quant_kw) if num_splits == 1 else _quant_args(None, out)
     _decode_attention_kernel[(B * Hkv, num_splits)](
-        q, k, v, ks, vs, lengths, lengths if row_order is None else row_order, out, part_out, part_lse,
+        q, k, v, ks, vs, lengths, lengths if row_order is None else row_order, out, part_out, part_lse, *attn_args,
         Hkv, S, D, sm_scale * LOG2E, lengths.stride(0),
         *q.stride(), *k.stride(), *v.stride(), *ks_strides, *vs_strides, *out.stride(),
         G=G, DTYPE=dtype, BLOCK_G=triton.next_power_of_2(G), BLOCK_S=block_s, BLOCK_D=block_d,
         NUM_SPLITS=num_splits, IS_FP8=is_fp8, POW2_SCALES=pow2_path, ROW_ORDER=row_order is not None,
-        EMULATE=_EMULATE,
+        EMULATE=_EMULATE, **attn_kw,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(B * H,)](
-            part_out, part_lse, lengths, out, H, S, D, lengths.stride(0), *out.stride(),
+            part_out, part_lse, lengths, out, H, S, D, lengths.stride(0), *out.stride(), *codes_args,
             DTYPE=dtype, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits), BLOCK_S=block_s,
-            BLOCK_D=block_d, EMULATE=_EMULATE, num_warps=4,
+            BLOCK_D=block_d, EMULATE=_EMULATE, **quant_kw, num_warps=merge_warps,
         )
+    if quantized is not None and epilogue is None:
+        quantize_output(out, quantized)
     return out
+
+
+def _quant_args(quantized, out: torch.Tensor) -> tuple[tuple, dict]:
+    """The epilogue's pointer/stride arguments and constexprs; ``out`` as a never-written placeholder without it."""
+    if quantized is None:
+        return (out, out, 0, 0), {}
+    codes, scales, pow2 = quantized
+    B, H, D = out.shape
+    assert D == 128 and codes.shape == (B, H * D) and codes.is_contiguous() and codes.dtype == E4M3, codes.shape
+    assert scales.shape == (B, H) and scales.dtype == torch.float32, (scales.shape, scales.dtype)
+    return ((codes.view(torch.uint8), scales, *scales.stride()),
+            {"QUANT": True, "QUANT_POW2": bool(pow2), "EXPLICIT_ROUND": explicit_round()})
