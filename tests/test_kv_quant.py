@@ -221,8 +221,10 @@ def test_bf16_kv_recipes_keep_a_model_dtype_cache():
 
 # ----------------------------------------------------------------------------- 4. the fused-decode protocol
 def _reference_decode_attention(q, k, v, lengths, *, k_scales=None, v_scales=None, sm_scale=None, pow2_scales=False,
-                                row_order=None):
-    """Stand-in for jetrl.engine.decode_attention.decode_attention with its documented contract."""
+                                row_order=None, quantized=None):
+    """Stand-in for jetrl.engine.decode_attention.decode_attention with its documented contract (``quantized``:
+    o_proj's FP8 input buffers, which the producer slots ask for on CUDA only)."""
+    assert quantized is None, "no producer buffers off CUDA (jetrl/fp8/producer_quant.py)"
     H, (Hkv, S) = q.shape[1], k.shape[1:3]
     if k_scales is not None:
         k, v = dequantize_kv(k, k_scales, q.dtype), dequantize_kv(v, v_scales, q.dtype)
