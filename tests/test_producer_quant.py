@@ -127,3 +127,56 @@ def test_engine_decode_with_producer_codes_equals_the_consumers_own(recipe, monk
     for a, b in zip(fused, plain):
         for x, y in zip(a, b):
             assert x.token_ids == y.token_ids and x.logprobs == y.logprobs
+
+
+class _CPUSlot(ProducerQuant):
+    """The attention's slot with the CUDA condition lifted, so that the CPU runs the hand-over."""
+
+    def buffers(self, rows, cols, device):
+        from jetrl.models.fused import QuantizedOutput
+
+        with torch.device(device):
+            return QuantizedOutput(torch.empty(rows, cols, dtype=torch.float8_e4m3fn), torch.empty(rows, cols // 128),
+                                   self.consumer.precision().input.pow2_scale)
+
+
+@pytest.mark.parametrize("recipe", ["jet", "jet_kv"])
+def test_attention_hands_its_codes_to_o_proj(monkeypatch, recipe):
+    """The attention's slot, wired on the CPU: a cache's fused ``attend`` (a stand-in for the GPU kernel) writes
+    o_proj's FP8 input and the model publishes it on the very tensor o_proj reads. With quantize(out) the engine's
+    output is the one of o_proj quantizing itself, bit for bit; with other codes it is not, so o_proj read them."""
+    from jetrl.engine import Engine, SamplingParams
+    from jetrl.engine.decode_attention import decode_attention_reference, quantize_output
+    from jetrl.models.fused import QuantizedOutput
+
+    written = []
+
+    def attend(q, k, v, lengths, *, quantized=None, pow2_scales=False, row_order=None, **kw):
+        out = decode_attention_reference(q, k, v, lengths, **kw)
+        if quantized is not None:
+            codes, scales, pow2 = quantized
+            quantize_output(out * scale_codes_by, QuantizedOutput(codes, scales, pow2))
+            written.append(codes.shape)
+        return out
+
+    monkeypatch.setattr("jetrl.engine.decode_attention.decode_attention", attend)
+    cfg = ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)  # head_dim 128
+    torch.manual_seed(0)
+    model = convert_to_float8(CausalLM(cfg), get_recipe(recipe))
+    prompts = [torch.randint(0, 512, (n,)).tolist() for n in (3, 9, 5)]
+    params = SamplingParams(n=2, temperature=0, max_tokens=6)
+
+    def run(slot: bool):
+        for layer in model.model.layers:
+            layer.self_attn.output_quant = _CPUSlot(layer.self_attn.o_proj) if slot else None
+        engine = Engine(model, max_slots=6, max_len=24)
+        engine.cache.use_decode_kernel = True  # the fused decode path, as on CUDA
+        return [[(c.token_ids, c.logprobs) for c in group] for group in engine.generate(prompts, params)]
+
+    scale_codes_by = 1.0
+    own = run(slot=False)
+    assert not written
+    assert run(slot=True) == own and written  # the handed-over codes, equal to o_proj's own
+    scale_codes_by = 2.0
+    assert run(slot=True) != own  # other codes: o_proj read what the attention wrote
