@@ -54,10 +54,9 @@ class LoopMix:
 def compile_like_launch(fn, args: dict[str, Any], constexprs: dict[str, Any], *, num_warps: int, num_stages: int):
     """Compile Triton kernel ``fn`` for sm_90 as a launch with ``args`` (name -> tensor / int / float) would.
 
-    ``constexprs`` are the kernel's ``tl.constexpr`` parameters (those with a default may be left out); every
-    other parameter must be in
-    ``args``. Pointers are represented by tensors of the launch's dtype (any size: only the dtype
-    and the 16-byte alignment of the allocation matter).
+    ``constexprs`` are the kernel's ``tl.constexpr`` parameters (those with a default may be left out);
+    every other parameter must be in ``args``. Pointers are represented by tensors of the launch's dtype
+    (any size: only the dtype and the 16-byte alignment of the allocation matter).
     """
     import triton
     from triton.backends.compiler import BaseBackend, GPUTarget
