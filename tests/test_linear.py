@@ -18,8 +18,8 @@ from jetrl.fp8 import (
     convert_to_float8,
     get_recipe,
     precision_phase,
-    record_quantization,
     quantize,
+    record_quantization,
     refresh_weight_caches,
     track_optimizer,
 )

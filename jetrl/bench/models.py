@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from jetrl.fp8 import Float8Linear, convert_to_float8, float8_modules, get_recipe
-from jetrl.models import CausalLM, ModelConfig
 from jetrl.fp8.producer_quant import remove_producer_quant
+from jetrl.models import CausalLM, ModelConfig
 from jetrl.models.stacked_projections import remove_stacked_projections
 
 

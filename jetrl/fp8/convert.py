@@ -14,10 +14,10 @@ happens even when no linear layer is FP8 (``fp8kv_rollout``). :func:`model_recip
 recipe back from a converted model; the engine uses it to pick its KV cache format.
 
 Inference-only speedups are installed with the linear layers: projection groups (FP8 q/k/v and
-gate/up as one stacked GEMM, projection_group.py), producer-side input quantization (the norms and SwiGLU
-write their FP8 consumer's input codes, producer_quant.py) and, for every recipe, ``bf16`` included, the
-BF16 q/k/v and gate/up stacks (jetrl/models/stacked_projections.py), which take over wherever those
-siblings stay BF16.
+gate/up as one stacked GEMM, projection_group.py), producer-side input quantization (the norms, the
+decode attention and SwiGLU write their FP8 consumer's input codes, producer_quant.py) and, for every
+recipe, ``bf16`` included, the BF16 q/k/v and gate/up stacks (jetrl/models/stacked_projections.py),
+which take over wherever those siblings stay BF16.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def convert_to_float8(model: nn.Module, recipe: Recipe, module_filter: ModuleFil
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, Float8Linear.from_float(linear, recipe, name=fqn))
     install_projection_groups(model)  # q/k/v and gate/up: one stacked GEMM in the CUDA rollout
-    install_producer_quant(model)  # norms and SwiGLU write their FP8 consumer's input codes (no-grad, CUDA)
+    install_producer_quant(model)  # the producers of FP8 inputs write their codes (no-grad, CUDA)
     return model
 
 

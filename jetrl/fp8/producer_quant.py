@@ -80,8 +80,8 @@ class ProducerQuant:
 def install_producer_quant(model: nn.Module) -> int:
     """Fill the producer slots of every decoder layer whose consumer is a Float8Linear (``PRODUCERS``); returns
     how many (none with ``JETRL_PRODUCER_QUANT=0``: the consumers quantize their inputs themselves)."""
-    if env_choice(ENV, ("0", "1"), "1 = norms and SwiGLU write their FP8 consumer's input codes (no-grad, CUDA), "
-                  "0 = each FP8 linear layer quantizes its input itself") == "0":
+    if env_choice(ENV, ("0", "1"), "1 = norms, decode attention and SwiGLU write their FP8 consumer's input "
+                  "codes (no-grad, CUDA), 0 = each FP8 linear layer quantizes its input itself") == "0":
         return 0
     count = 0
     for layer in model.modules():
