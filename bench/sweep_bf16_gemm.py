@@ -29,7 +29,7 @@ DEV = torch.device("cuda")
 def _gemm_ptr(a_ptr, b_ptr, c_ptr, M, N, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               STAGES: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    num_m = tl.cdiv(M, BM)
     # M-first order: the programs that share a weight tile run together
     pid_m, pid_n = pid % num_m, pid // num_m
     rm = pid_m * BM + tl.arange(0, BM)
