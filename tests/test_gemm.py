@@ -82,10 +82,8 @@ def test_per_shape_choice_is_a_fixed_rule(monkeypatch):
         assert tuple(choose_backend(m, (128, 128), n, k) for n, k in (qkv, o, gate_up, down)) == picks, m
     assert choose_backend(64, (128, 128), 4096, 4096 + 128) == "triton"  # K not a multiple of 256
     assert gluon_tiles(256, *down) == gluon_tiles(256, *down)  # a pure function of the shape
-    # at M <= 64 narrow layers run 128 CTAs instead of 64: o in 32-wide tiles, down (long K) over two halves of K
-    tiles = [gluon_tiles(64, *s) for s in (qkv, o, gate_up, down)]
-    assert [(t.block_n, t.split_k) for t in tiles] == [(64, 1), (32, 1), (64, 1), (64, 2)]
-    assert all(t.split_k == 1 for t in (gluon_tiles(m, *s) for m in (128, 256) for s in (qkv, o, gate_up, down)))
+    # at M <= 64 narrow layers (o, down) take 32-wide tiles: 128 CTAs stream the weight instead of 64
+    assert [gluon_tiles(64, *s).block_n for s in (qkv, o, gate_up, down)] == [64, 32, 64, 32]
     assert choose_backend(64, (128, 128), 24576, 12288) == "triton"  # wide and long: Triton's split-K
     monkeypatch.setattr(gemm, "has_gluon", lambda: False)
     assert choose_backend(256, (128, 128), *o) == "scaled_mm" and choose_backend(64, (128, 128), *o) == "triton"

@@ -97,9 +97,9 @@ def choose_backend(m: int, b_block: tuple[int, int] = (BLOCK, BLOCK), n: int | N
 
     * M <= 32: the Triton small-M kernel (16- and 32-row tiles; Gluon's 64-row wgmma tile is 10-40%
       slower at M = 1 and 16);
-    * M <= 64: the Gluon kernel (persistent; a narrow layer runs 128 CTAs instead of 64: o in 64 x 32
-      tiles, down, with its long K, in 64 x 64 tiles over two halves of K; 64 x 64 otherwise), except a
-      wide layer with a long K, which keeps Triton's split-K;
+    * M <= 64: the Gluon kernel (persistent; 64 x 32 tiles for a narrow layer, o and down, so that it
+      runs 128 CTAs instead of 64; 64 x 64 otherwise), except a wide layer with a long K, which keeps
+      Triton's split-K;
     * M > 64: the Gluon kernel where its tiles fit in one wave of 132 SMs (qkv and o at M = 128, o and
       down at M = 256), else cuBLAS (gate_up, and qkv at M = 256: cuBLAS reaches 1.1 PFLOPS on gate_up,
       the Gluon kernel 0.92).
@@ -110,31 +110,22 @@ def choose_backend(m: int, b_block: tuple[int, int] = (BLOCK, BLOCK), n: int | N
         return "scaled_mm"  # wgrad's 1x128 operands: cuBLAS only
     if n is not None and k is not None and m > GLUON_MIN_M and k % (2 * BLOCK) == 0 and has_gluon():
         if m <= SMALL_M_MAX:
-            return "gluon" if k < LONG_K or _narrow(n) else "triton"
+            return "gluon" if k < LONG_K or gluon_tiles(m, n, k).block_n == NARROW_BLOCK_N else "triton"
         tiles = gluon_tiles(m, n, k)
         if -(-m // tiles.block_m) * -(-n // tiles.block_n) <= ONE_WAVE_CTAS:
             return "gluon"
     return "triton" if m <= SMALL_M_MAX else "scaled_mm"
 
 
-def _narrow(n: int) -> bool:
-    """Whether an N-wide layer's 64-wide tiles fill at most half the SMs (o and down of an 8B layer)."""
-    return -(-n // 64) <= ONE_WAVE_CTAS // 2
-
-
 def gluon_tiles(m: int, n: int, k: int):
-    """The Gluon kernel's tiles for an (m, n, k) GEMM, a pure function of the shape (the sweeps' best):
-    up to 64 rows, where 64-wide tiles would fill at most half the SMs, twice the CTAs: 64 x 32 tiles (bench
-    (c) at M = 64: o 9.8 -> 9.2 µs) or, for a long K, 64 x 64 tiles over two halves of K (down at M = 48 /
-    64: 26.6 / 25.8 µs in 64 x 32 tiles, Triton 24.8 / 25.3, split 22.8 / 23.1; bench/sweep_gemm_gluon.py),
-    else 64 x 64 (32-wide tiles lose on qkv and gate_up); above, 128 x 64 with 8 stages for a long K,
-    64 x 128 otherwise (split-K loses there: the sweep's o at M = 256, 13.8 -> 21.8 µs)."""
+    """The Gluon kernel's tiles for an (m, n, k) GEMM, a pure function of the shape (the sweep's best):
+    up to 64 rows 64 x 32 where 64-wide tiles would fill at most half the SMs (bench (c) at M = 64: o
+    9.8 -> 9.2 µs, down 24.1 on Triton -> 20.6), else 64 x 64 (32-wide tiles lose on qkv and gate_up); above,
+    128 x 64 with 8 stages for a long K, 64 x 128 otherwise."""
     from jetrl.fp8.kernels.gluon_tiles import GluonConfig
 
     if m <= SMALL_M_MAX:
-        if _narrow(n):
-            if k >= LONG_K:
-                return GluonConfig(64, 64, stages=6, unroll=4, split_k=2)
+        if -(-n // 64) <= ONE_WAVE_CTAS // 2:
             return GluonConfig(64, NARROW_BLOCK_N, stages=8, unroll=4)
         return GluonConfig(64, 64, stages=6, unroll=4)
     if k >= LONG_K:
