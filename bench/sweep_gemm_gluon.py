@@ -1,7 +1,7 @@
 """The Gluon mid-M block-FP8 GEMM against cuBLAS, the Triton small-M kernel and BF16 (a question for the H200).
 
 For each GEMM of one 8B layer and each M (``SWEEP_ROWS``, default 64,128,256), this checks every
-Gluon tile configuration (``SWEEP_CONFIGS``: block_m/block_n/stages/unroll[/split_k], comma separated) against
+Gluon tile configuration (``SWEEP_CONFIGS``: block_m/block_n/stages/unroll, comma separated) against
 the emulated GEMM (relative error, bound 2e-3) and times it under CUDA-graph replay next to BF16,
 cuBLAS block FP8 and (M <= 64) the shipped Triton kernel. Weights rotate over copies (3x the L2),
 as in bench (c); the activation's quantization is not timed (the same for every FP8 column). GPU only:
@@ -33,10 +33,6 @@ def configs() -> list[GluonConfig]:
     return [GluonConfig(*(int(v) for v in c.split("/"))) for c in text.split(",")]
 
 
-def _key(c: GluonConfig) -> str:
-    return f"{c.block_m}/{c.block_n}/{c.stages}/{c.unroll}" + (f"/{c.split_k}" if c.split_k > 1 else "")
-
-
 def main() -> None:
     cfg = h200_config()
     rows = [int(m) for m in os.environ.get("SWEEP_ROWS", "64,128,256").split(",")]
@@ -58,7 +54,7 @@ def main() -> None:
             if m <= 64:
                 row["triton_us"] = timed(lambda w: gemm_small_m(a.codes, a.scales, w.codes, w.scales), weights)
             for c in configs():
-                key = _key(c)
+                key = f"{c.block_m}/{c.block_n}/{c.stages}/{c.unroll}"
                 try:
                     out = gemm_mid_m(a.codes, a.scales, weights[0].codes, weights[0].scales, config=c).float()
                     err = float((out - ref).norm() / ref.norm())
@@ -77,7 +73,7 @@ def main() -> None:
     out = os.environ.get("OUT", ".")
     with open(os.path.join(out, "sweep_gemm_gluon.json"), "w") as f:
         json.dump(results, f, indent=1)
-    keys = [_key(c) for c in configs()]
+    keys = [f"{c.block_m}/{c.block_n}/{c.stages}/{c.unroll}" for c in configs()]
     print(f"\n{'gemm':8} {'M':>4} {'bf16':>7} {'cublas':>7} {'triton':>7} " + " ".join(k.rjust(12) for k in keys))
     for r in results:
         cells = " ".join(f"{r[k + '_us']:12.1f}" if r.get(k + "_us") else f"{'-':>12}" for k in keys)

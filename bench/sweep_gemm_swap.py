@@ -23,7 +23,7 @@ import triton.language as tl
 from jetrl.bench.kernels import _in_turn
 from jetrl.bench.timing import graph_time_us
 from jetrl.fp8.gemm import _scaled_mm, gemm_emulated
-from jetrl.fp8.kernels.gemm_triton import _store_tile, tile_counters, gemm_small_m
+from jetrl.fp8.kernels.gemm_triton import _store_tile, _tile_counters, gemm_small_m
 from jetrl.fp8.quant import quantize
 
 
@@ -71,7 +71,7 @@ def swap(xq, wq, cfg, out_dtype=torch.bfloat16):
     gps = triton.cdiv(triton.cdiv(k, 128), sk)
     out = torch.empty(m, n, dtype=out_dtype, device="cuda")
     work = torch.empty(sk, m, n, device="cuda") if sk > 1 else out
-    cnt = tile_counters(out.device)
+    cnt = _tile_counters(out.device)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), sk)
     _gemm_swap_kernel[grid](xq.codes, xq.scales, wq.codes, wq.scales, out, work, cnt, m, n, k, xq.codes.stride(0),
                             wq.codes.stride(0), xq.scales.stride(0), xq.scales.stride(1), wq.scales.stride(0),

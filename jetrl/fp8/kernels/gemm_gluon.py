@@ -48,7 +48,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from jetrl.fp8.kernels.gemm_triton import MAX_TILES, tile_counters
 from jetrl.fp8.kernels.gluon_tiles import GROUP, GluonConfig, operand_problem
 
 _G = gl.constexpr(GROUP)  # the same inside kernels
@@ -64,13 +63,11 @@ def _tile_origin(t, M, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_k,
-              STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT: gl.constexpr):
+              STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     c = 0  # groups loaded so far: slot c % STAGES, its (c // STAGES)-th use
-    per_split = num_k // SPLIT
-    for w in range(gl.program_id(0), num_tiles * SPLIT, gl.num_programs(0)):
-        off_m, off_n = _tile_origin(w % num_tiles, M, BLOCK_M, BLOCK_N)
-        first = (w // num_tiles) * per_split
-        for g in range(first, first + per_split):
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_m, off_n = _tile_origin(t, M, BLOCK_M, BLOCK_N)
+        for g in range(num_k):
             s = c % STAGES
             # a slot's first use passes at once: a fresh barrier counts as having completed phase "1"
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
@@ -103,30 +100,10 @@ def _retire(p, acc, empty, c, g, sa_rows, row_ok, sb_tile, stride_sak, OUTSTANDI
 
 
 @gluon.jit
-def _sum_splits(acc, out, work, mask, count_ptr, split, split_elems, SPLIT: gl.constexpr):
-    """Split ``split`` of a tile stores its fp32 partial ``acc`` at ``work + split * split_elems`` and bumps the
-    (tile, warpgroup) arrival counter; the split that arrives last sums the SPLIT partials in split order (so the
-    result does not depend on the arrival order), writes ``out`` and resets the counter for the next call (no
-    memset per call: CUDA-graph safe). The partition barriers order the warpgroup's partial stores before the
-    (acq_rel) bump, and the bump before its reads of the other partials (read past L1: .cg); inside a
-    warp-specialized partition a barrier synchronizes that partition's warps only. As gemm_triton._store_tile."""
-    gl.store(work + split * split_elems, acc, mask=mask)
-    gl.thread_barrier()
-    arrived = gl.atomic_add(count_ptr, 1, sem="acq_rel")
-    gl.thread_barrier()
-    if arrived == SPLIT - 1:
-        total = gl.load(work, mask=mask, other=0.0, cache_modifier=".cg")
-        for i in gl.static_range(1, SPLIT):
-            total += gl.load(work + i * split_elems, mask=mask, other=0.0, cache_modifier=".cg")
-        gl.store(out, total.to(out.dtype.element_ty), mask=mask)
-        gl.atomic_xchg(count_ptr, 0)
-
-
-@gluon.jit
-def _consumer(a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, work_ptr, count_ptr, M, N, num_tiles, num_k,
+def _consumer(a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, M, N, num_tiles, num_k,
               stride_sam, stride_sak, stride_sbn, stride_om,
               WG: gl.constexpr, UNROLL: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, SPLIT: gl.constexpr):
+              BLOCK_N: gl.constexpr):
     """One warpgroup: rows [64 WG, + 64) of each of the CTA's tiles, groups in runs of UNROLL (2 or 4).
 
     Within a run two tiles alternate: group j+1's wgmma runs while group j is rescaled, so only the
@@ -139,17 +116,14 @@ def _consumer(a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, work_ptr, c
     ta = gl.zeros([64, BLOCK_N], gl.float32, layout)
     tb = gl.zeros([64, BLOCK_N], gl.float32, layout)
     c = 0
-    per_split = num_k // SPLIT
-    for w in range(gl.program_id(0), num_tiles * SPLIT, gl.num_programs(0)):
-        t = w % num_tiles
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m, off_n = _tile_origin(t, M, BLOCK_M, BLOCK_N)
-        first = (w // num_tiles) * per_split
         rows = off_m + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
         row_ok = rows < M
         sa_rows = sa_ptr + rows * stride_sam
         sb_tile = sb_ptr + (off_n // _G) * stride_sbn
         acc = gl.zeros([64, BLOCK_N], gl.float32, layout)
-        for g in range(first, first + per_split, UNROLL):
+        for g in range(0, num_k, UNROLL):
             pa = _issue(a_bufs, b_bufs, ready, c, ta, WG, STAGES)
             pb = _issue(a_bufs, b_bufs, ready, c + 1, tb, WG, STAGES)
             if UNROLL == 4:
@@ -165,20 +139,13 @@ def _consumer(a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, work_ptr, c
             c += UNROLL
         cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
         out = out_ptr + rows[:, None] * stride_om + cols[None, :]
-        mask = row_ok[:, None] & (cols < N)[None, :]
-        if SPLIT == 1:
-            gl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            _sum_splits(acc, out, work_ptr + rows[:, None] * N + cols[None, :], mask, count_ptr + 2 * t + WG,
-                        w // num_tiles, M * N, SPLIT)
+        gl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < N)[None, :])
 
 
 @gluon.jit
-def _gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, out_ptr, work_ptr, count_ptr, M, N, K, stride_sam, stride_sak,
-                 stride_sbn, stride_om, STAGES: gl.constexpr, UNROLL: gl.constexpr, num_warps: gl.constexpr,
-                 SPLIT: gl.constexpr = 1):
-    """Persistent: CTA i takes work items i, i + grid, i + 2 grid, ... (one each when they fit one wave). Item w
-    is tile w % tiles over the w // tiles-th of SPLIT equal runs of K's groups."""
+def _gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, out_ptr, M, N, K, stride_sam, stride_sak, stride_sbn, stride_om,
+                 STAGES: gl.constexpr, UNROLL: gl.constexpr, num_warps: gl.constexpr):
+    """Persistent: CTA i computes tiles i, i + grid, i + 2 grid, ... (one tile each when they fit one wave)."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     WARPGROUPS: gl.constexpr = BLOCK_M // 64
@@ -193,22 +160,19 @@ def _gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, out_ptr, work_ptr, count_ptr, M
         mbarrier.init(empty.index(i), count=WARPGROUPS)  # a slot is free once every warpgroup is done with it
     if WARPGROUPS == 2:  # two consumer partitions: each waits on its own wgmma, so they interleave
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, work_ptr, count_ptr, M, N, num_tiles,
-                         num_k, stride_sam, stride_sak, stride_sbn, stride_om, 0, UNROLL, STAGES, BLOCK_M, BLOCK_N,
-                         SPLIT)),
-            (_consumer, (a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, work_ptr, count_ptr, M, N, num_tiles,
-                         num_k, stride_sam, stride_sak, stride_sbn, stride_om, 1, UNROLL, STAGES, BLOCK_M, BLOCK_N,
-                         SPLIT)),
+            (_consumer, (a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, M, N, num_tiles, num_k,
+                         stride_sam, stride_sak, stride_sbn, stride_om, 0, UNROLL, STAGES, BLOCK_M, BLOCK_N)),
+            (_consumer, (a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, M, N, num_tiles, num_k,
+                         stride_sam, stride_sak, stride_sbn, stride_om, 1, UNROLL, STAGES, BLOCK_M, BLOCK_N)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_k, STAGES, BLOCK_M,
-                         BLOCK_N, SPLIT)),
+                         BLOCK_N)),
         ], [4, 1], [224, 24])
     else:
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, work_ptr, count_ptr, M, N, num_tiles,
-                         num_k, stride_sam, stride_sak, stride_sbn, stride_om, 0, UNROLL, STAGES, BLOCK_M, BLOCK_N,
-                         SPLIT)),
+            (_consumer, (a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, M, N, num_tiles, num_k,
+                         stride_sam, stride_sak, stride_sbn, stride_om, 0, UNROLL, STAGES, BLOCK_M, BLOCK_N)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_k, STAGES, BLOCK_M,
-                         BLOCK_N, SPLIT)),
+                         BLOCK_N)),
         ], [1], [24])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -248,16 +212,8 @@ def gemm_mid_m(a_codes: torch.Tensor, a_scales: torch.Tensor, b_codes: torch.Ten
     a_desc, b_desc = descriptors(a_codes, b_codes, cfg)
     out = torch.empty((m, n), dtype=out_dtype, device=a_codes.device)
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    grid = (min(tiles, _sm_count(a_codes.device)),)
     unroll = cfg.unroll if k % (cfg.unroll * GROUP) == 0 else 2
-    split = cfg.split_k
-    if (k // GROUP) % (split * unroll) or 2 * tiles > MAX_TILES:  # equal runs of whole iterations, and counters
-        split = 1
-    if split > 1:
-        work, counters = torch.empty((split, m, n), dtype=torch.float32, device=out.device), tile_counters(out.device)
-    else:
-        work = counters = out  # unused
-    grid = (min(tiles * split, _sm_count(a_codes.device)),)
-    _gemm_kernel[grid](a_desc, b_desc, a_scales, b_scales, out, work, counters, m, n, k, a_scales.stride(0),
-                       a_scales.stride(1), b_scales.stride(0), out.stride(0), STAGES=cfg.stages, UNROLL=unroll,
-                       num_warps=4, SPLIT=split)
+    _gemm_kernel[grid](a_desc, b_desc, a_scales, b_scales, out, m, n, k, a_scales.stride(0), a_scales.stride(1),
+                       b_scales.stride(0), out.stride(0), STAGES=cfg.stages, UNROLL=unroll, num_warps=4)
     return out

@@ -112,19 +112,18 @@ MAX_TILES = 65536  # counters per device: M <= 64 rows in 16-row tiles x N up to
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
-def tile_counters(device: torch.device) -> torch.Tensor:
+def _tile_counters(device: torch.device) -> torch.Tensor:
     """The device's zeroed int32 arrival counters, one per output tile, kept zero by the kernel itself.
 
     One fixed buffer per device, allocated on the first split-K call and never replaced (captured
-    CUDA graphs keep pointing at it). It is shared by all calls, this kernel's and the Gluon kernel's
-    (gemm_gluon.py), so split-K GEMMs must not run concurrently on two streams of one device (jetrl
-    runs its GEMMs on one stream).
+    CUDA graphs keep pointing at it). It is shared by all calls, so split-K GEMMs must not run
+    concurrently on two streams of one device (jetrl runs its GEMMs on one stream).
     """
     buf = _counters.get(device)
     if buf is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                "FP8 GEMM: the split-K counters are allocated on the first split-K call, which must not be "
+                "gemm_small_m: the split-K counters are allocated on the first call, which must not be "
                 "inside CUDA-graph capture; run the GEMM once (a warm-up) before capturing"
             )
         buf = _counters[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
@@ -154,7 +153,7 @@ def gemm_small_m(
         groups_per_split, grid = triton.cdiv(k, 128), (grid[0], grid[1], 1)
     if cfg.split_k > 1:
         work = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=a_codes.device)
-        counters = tile_counters(a_codes.device)
+        counters = _tile_counters(a_codes.device)
     else:
         work = counters = out  # unused
     _gemm_small_m_kernel[grid](

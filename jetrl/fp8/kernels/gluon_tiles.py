@@ -23,24 +23,17 @@ class GluonConfig:
              narrow layer twice the CTAs of 64 at M <= 64, where the GEMM streams the weight).
     stages: shared-memory ring slots, each one 128-wide group of K of A and B.
     unroll: groups per consumer loop iteration, 2 or 4 (4 needs K a multiple of 512; else 2 is used).
-    split_k: K cut into this many equal runs of groups, each a work item of its own (more CTAs for a layer
-             whose tiles fill under one wave); the last split of a tile to finish sums the fp32 partials in
-             split order, so the result does not depend on which finishes first. Needs K / 128 a multiple
-             of split_k * unroll (else the kernel runs unsplit).
     """
 
     block_m: int = 64
     block_n: int = 128
     stages: int = 4
     unroll: int = 2
-    split_k: int = 1
 
     def __post_init__(self):
         if self.block_m not in (64, 128) or self.block_n not in (32, 64, 128) or self.unroll not in (2, 4):
             raise ValueError(f"GluonConfig: block_m must be 64 or 128, block_n 32, 64 or 128 and unroll 2 or 4, "
                              f"got {self}")
-        if self.split_k not in (1, 2, 3, 4):
-            raise ValueError(f"GluonConfig: split_k must be 1, 2, 3 or 4, got {self.split_k}")
         if not 2 <= self.stages <= 12:
             raise ValueError(f"GluonConfig: stages must be in [2, 12], got {self.stages}")
 
