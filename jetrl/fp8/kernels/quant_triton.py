@@ -10,11 +10,10 @@ Three kernels:
   fp32 scales (ceil(R/GR), ceil(C/GC)).
 * ``_quantize_dual_kernel``: one pass over x (M, K) that writes *both* layouts a linear layer
   needs -- q(x) in 1x128 groups along K (fprop, dgrad) and q(x^T) in 1x128 groups along M
-  (wgrad) -- per (128, 128) tile: column amaxes give the token-group scales, row amaxes the
-  others, and the transposed codes are stored through a register transpose. DRAM sees x
-  once (the second walk over the tile hits the cache), and x^T is never materialized. Each layout's
-  codes and scales are exactly those of ``quantize_reference(x, 1, 128)`` and
-  ``quantize_reference(x.t(), 1, 128)``.
+  (wgrad) -- per (128, 128) tile: the tile's rows are quantized, then the tile is read again
+  transposed and *its* rows are, both by the one row function. DRAM sees x once (the second read
+  hits the cache), and x^T is never materialized. Each layout's codes and scales are exactly those
+  of ``quantize_reference(x, 1, 128)`` and ``quantize_reference(x.t(), 1, 128)``.
 
 * ``_quantize_dequantize_kernel``: deq(q(x)) per 1xD row in one pass (the trainer's FP8 K/V,
   kv_quant.py): the row quantizer above, then each code decoded exactly and multiplied by its
@@ -241,44 +240,38 @@ def _quantize_dual_kernel(
     M, K, stride_xm, stride_xk, num_k_groups, num_m_groups,
     POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    # One (128 m, 128 k) tile, walked in (128, CHUNK) column chunks to keep registers low.
-    # Pass 1: a chunk holds whole token groups (128 rows) of CHUNK columns, so it finishes
-    # their x^T scales and codes at once, and accumulates the row amaxes. Pass 2 re-reads the
-    # chunks (from cache: DRAM sees x once) and writes q(x) with the now complete row scales.
+    # One (128 m, 128 k) tile. Its rows are 1x128 groups of x: quantized at once. Then the tile is read again,
+    # transposed, CHUNK k-columns at a time (from L2: DRAM sees x once): each such column is a 1x128 group of
+    # x^T, quantized by the same row function. No amax or code is moved between layouts: the transposed codes
+    # are computed where they are stored.
     pid_k, pid_m = tl.program_id(0), tl.program_id(1)
     rows = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)  # int64 offsets (cols * M below)
-    row_ok = rows < M
-    amax = tl.zeros((128,), dtype=tl.float32)
-    for c in range(128 // CHUNK):
-        cols = pid_k.to(tl.int64) * 128 + c * CHUNK + tl.arange(0, CHUNK)
-        mask = row_ok[:, None] & (cols[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, _amax(x, 1))
-        amax_t = _amax(x, 0)  # (CHUNK,): complete token groups
-        scale_t, reciprocal_t = _scale_and_reciprocal(amax_t, amax_t == float("inf"), POW2)
-        code_bits_t = tl.trans(_code_bits(x * reciprocal_t[None, :], (scale_t != scale_t)[None, :], EXPLICIT_ROUND))
-        tl.store(codes_t_ptr + cols[:, None] * M + rows[None, :], code_bits_t, mask=tl.trans(mask))
-        tl.store(scales_t_ptr + cols * num_m_groups + pid_m, scale_t, mask=cols < K)
-    scale, reciprocal = _scale_and_reciprocal(amax, amax == float("inf"), POW2)
+    cols = pid_k.to(tl.int64) * 128 + tl.arange(0, 128)
+    row_ok, col_ok = rows < M, cols < K
+    mask = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+    code_bits, scale = quantize_rows(x.to(tl.float32), POW2, EXPLICIT_ROUND)
+    tl.store(codes_ptr + rows[:, None] * K + cols[None, :], code_bits, mask=mask)
     tl.store(scales_ptr + rows * num_k_groups + pid_k, scale, mask=row_ok)
     for c in range(128 // CHUNK):
-        cols = pid_k.to(tl.int64) * 128 + c * CHUNK + tl.arange(0, CHUNK)
-        mask = row_ok[:, None] & (cols[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        code_bits = _code_bits(x * reciprocal[:, None], (scale != scale)[:, None], EXPLICIT_ROUND)
-        tl.store(codes_ptr + rows[:, None] * K + cols[None, :], code_bits, mask=mask)
+        kc = pid_k.to(tl.int64) * 128 + c * CHUNK + tl.arange(0, CHUNK)
+        mask_t = (kc < K)[:, None] & row_ok[None, :]
+        xt = tl.load(x_ptr + rows[None, :] * stride_xm + kc[:, None] * stride_xk, mask=mask_t, other=0.0)
+        code_bits_t, scale_t = quantize_rows(xt.to(tl.float32), POW2, EXPLICIT_ROUND)
+        tl.store(codes_t_ptr + kc[:, None] * M + rows[None, :], code_bits_t, mask=mask_t)
+        tl.store(scales_t_ptr + kc * num_m_groups + pid_m, scale_t, mask=kc < K)
 
 
 def quantize_dual_triton(
-    x: torch.Tensor, pow2_scale: bool, *, chunk: int = 64, num_warps: int = 2
+    x: torch.Tensor, pow2_scale: bool, *, chunk: int = 64, num_warps: int = 8
 ) -> tuple[torch.Tensor, ...]:
     """Same result as ``(*quantize_reference(x, 1, 128, p), *quantize_reference(x.t(), 1, 128, p))``.
 
-    ``chunk`` / ``num_warps``: the best of bench/sweep_quant_dual.py on the H200 at every linear-layer
-    shape (1.16x the former 32 / 4). Against the two single-layout passes it replaces: 0.85-0.87x
-    their speed on the GPU alone (CUDA graphs), but one launch instead of two, which wins in eager
-    training where the host is the bottleneck (with the former tiles, same run, 4096 tokens: 1.8x
-    for x and dy of the q/k/v and o layers, equal for gate_up) -- docs/benchmarks.md, section (a).
+    ``chunk`` / ``num_warps``: the best of bench/sweep_quant_dual_v2.py on the H200 at the trainer's shapes. On
+    the GPU alone (CUDA graphs) it runs at 0.92-0.95x the two single-layout passes it replaces, and 1.09-1.14x the
+    kernel before it (which moved the x^T codes between layouts byte by byte through shared memory); one launch
+    instead of two is what pays in eager training, where the host is the bottleneck at small shapes --
+    docs/benchmarks.md, section (a).
 
     Returns (codes (M, K), scales (M, K/128), codes_t (K, M), scales_t (K, M/128)), row-major.
     """
