@@ -76,7 +76,7 @@ for shape, pow2, dtype in [((200, 300), False, torch.bfloat16), ((130, 256), Tru
     x[-1, -1] = float("-inf")
     x = x.to(dtype)
     want = (*quantize_reference(x, 1, 128, pow2), *quantize_reference(x.t(), 1, 128, pow2))
-    for chunk in (32, 64, 128):  # the transposed read's (chunk, 128) column chunks; 64 is the default
+    for chunk in (32, 64, 128):  # the transposed read's (chunk, 128) column chunks; 128 is the default
         got = quantize_dual_triton(x, pow2, chunk=chunk)
         for g, w in zip(got, want):
             assert g.shape == w.shape and g.is_contiguous() and torch.equal(bits(g), bits(w)), (shape, chunk)
