@@ -8,6 +8,9 @@ plain Triton tile GEMM over a grid of tiles, warps and stages, with pointer load
 configuration is checked against cuBLAS (relative error). GPU only:
 
     PYTHONPATH=. OUT=$OUT python3 bench/sweep_bf16_gemm.py
+
+Result (run AP, docs/benchmarks.md (c)): cuBLAS won or tied every shape at M = 64, 128 and 256; the BF16 baseline
+keeps cuBLAS.
 """
 
 import json
@@ -110,7 +113,7 @@ def main() -> None:
                         err = float((y.float() - ref).norm() / ref.norm())
                         us = graph_time_us(taking_turns(lambda w, c=c, v=variant, o=out: triton_gemm(x, w, o, c, v),
                                                         weights), DEV, calls=copies, replays=20)
-                    except Exception as exc:  # a configuration that does not compile or fit: recorded, not fatal
+                    except Exception as exc:  # noqa: BLE001 -- a configuration that does not compile or fit: recorded
                         row.setdefault("failed", []).append(f"{variant}{c}: {str(exc).splitlines()[0][:100]}")
                         continue
                     key = f"{variant}_{'_'.join(map(str, c))}"

@@ -1,5 +1,6 @@
-"""The H200 sweep behind the dual-layout quantizer's defaults (``quantize_dual_triton``: chunk,
-warps) on a linear layer's activation and gradient shapes, against the two single-layout passes
+"""An H200 sweep of the dual-layout quantizer's tiles (``quantize_dual_triton``: chunk, warps; its defaults come
+from bench/sweep_quant_dual_v2.py, which also times the kernel's design against others) on a linear layer's
+activation and gradient shapes, against the two single-layout passes
 it replaces (x, then the strided x^T), under CUDA-graph replay. Every configuration is checked
 bit for bit against the reference first. Then, eagerly (where the host's per-call work counts, as in
 training), the shipped tiles against others and the two passes: both layouts of x and dy, and a Float8Linear

@@ -268,7 +268,7 @@ def quantize_dual_triton(
     """Same result as ``(*quantize_reference(x, 1, 128, p), *quantize_reference(x.t(), 1, 128, p))``.
 
     ``chunk`` / ``num_warps``: the best of bench/sweep_quant_dual_v2.py on the H200 at the trainer's shapes. On
-    the GPU alone (CUDA graphs) it runs at 0.97-0.99x the two single-layout passes it replaces, and 1.14-1.19x the
+    the GPU alone (CUDA graphs) it runs at 0.97-0.99x the two single-layout passes it replaces, and 1.14-1.18x the
     kernel before it (which moved the x^T codes between layouts byte by byte through shared memory); one launch
     instead of two is what pays in eager training, where the host is the bottleneck at small shapes --
     docs/benchmarks.md, section (a).
