@@ -133,7 +133,8 @@ def main() -> None:
         s = sums.setdefault(r["M"], [0.0, 0.0])
         s[0] += r["cublas_us"]
         s[1] += min(r["cublas_us"], b[1]) if b else r["cublas_us"]
-        print(f"{r['gemm']:8} {r['M']:4d} {r['cublas_us']:8.1f} {b[1] if b else float('nan'):12.1f}  {b[0] if b else '-'}"
+        best_us = b[1] if b else float("nan")
+        print(f"{r['gemm']:8} {r['M']:4d} {r['cublas_us']:8.1f} {best_us:12.1f}  {b[0] if b else '-'}"
               f" / {r['tflop'] / r['cublas_us'] * 1e6:.0f} -> {r['tflop'] / b[1] * 1e6 if b else 0:.0f}")
     for m, (c, t) in sums.items():
         print(f"sum M={m}: cublas {c:.1f} us, best-of-both {t:.1f} us ({c / t:.3f}x)")

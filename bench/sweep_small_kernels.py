@@ -101,7 +101,8 @@ def main() -> None:
     print(f"\n{'kernel':14} {'M':>4} {'quant':>5} {'tile':>6} {'warps':>5} {'us':>7}  bit-equal to shipped")
     for r in res:
         tile = r.get("block", r.get("block_r"))
-        print(f"{r['kernel']:14} {r['M']:4d} {r['quant']!s:>5} {tile:6d} {r['warps']:5d} {r['us']:7.2f}  {r['bit_equal']}")
+        print(f"{r['kernel']:14} {r['M']:4d} {r['quant']!s:>5} {tile:6d} {r['warps']:5d} {r['us']:7.2f}  "
+              f"{r['bit_equal']}")
 
 
 if __name__ == "__main__":
