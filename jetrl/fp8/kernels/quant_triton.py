@@ -84,7 +84,7 @@ def _scale_and_reciprocal(amax, nonfinite, POW2: tl.constexpr):
         exponent = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
         scale = (exponent << 23).to(tl.float32, bitcast=True)
     scale = tl.where(nonfinite, float("nan"), scale)
-    reciprocal = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    reciprocal = tl.math.div_rn(1.0, scale)
     return scale, reciprocal
 
 
