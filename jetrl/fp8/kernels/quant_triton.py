@@ -112,8 +112,9 @@ def _amax(x, axis: tl.constexpr):
 @triton.jit
 def quantize_rows(x, POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr):
     """(uint8 codes, scales) of a (rows, group) fp32 tile with one group per row: the 1xG quantizer's
-    arithmetic, shared by the quantize kernel and the K/V-cache store (kv_store_triton.py) -- one
-    definition, so their codes and scales are the same bits."""
+    arithmetic, shared by every kernel that writes 1xG codes (the quantize and dual-layout kernels, the K/V-cache
+    store in kv_store_triton.py, the producers' epilogues) -- one definition, so their codes and scales are the
+    same bits. Layout-free (no tl.full), so Gluon kernels can call it too."""
     amax = _amax(x, 1)
     scale, reciprocal = _scale_and_reciprocal(amax, amax == float("inf"), POW2)
     return _code_bits(x * reciprocal[:, None], (scale != scale)[:, None], EXPLICIT_ROUND), scale
