@@ -29,12 +29,16 @@ DEV = torch.device("cuda")
 
 
 @triton.jit
+def _tile(M, BM: tl.constexpr):
+    """(pid_m, pid_n) of this program, M-first: the programs that share a weight tile run together."""
+    pid, num_m = tl.program_id(0), tl.cdiv(M, BM)
+    return pid % num_m, pid // num_m
+
+
+@triton.jit
 def _gemm_ptr(a_ptr, b_ptr, c_ptr, M, N, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              STAGES: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BM)
-    # M-first order: the programs that share a weight tile run together
-    pid_m, pid_n = pid % num_m, pid // num_m
+              STAGES: tl.constexpr):
+    pid_m, pid_n = _tile(M, BM)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -49,10 +53,8 @@ def _gemm_ptr(a_ptr, b_ptr, c_ptr, M, N, K: tl.constexpr, BM: tl.constexpr, BN: 
 
 @triton.jit
 def _gemm_tma(a_desc, b_desc, c_desc, M, N, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              STAGES: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BM)
-    pid_m, pid_n = pid % num_m, pid // num_m
+              STAGES: tl.constexpr):
+    pid_m, pid_n = _tile(M, BM)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for i in tl.range(0, tl.cdiv(K, BK), num_stages=STAGES):
         k = i * BK
@@ -68,13 +70,13 @@ def triton_gemm(x, w, out, cfg, variant):
     n = w.shape[0]
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     if variant == "ptr":
-        _gemm_ptr[grid](x, w, out, m, n, k, BM=bm, BN=bn, BK=bk, STAGES=stages, GROUP_M=1, num_warps=warps)
+        _gemm_ptr[grid](x, w, out, m, n, k, BM=bm, BN=bn, BK=bk, STAGES=stages, num_warps=warps)
     else:
         from triton.tools.tensor_descriptor import TensorDescriptor
         a_d = TensorDescriptor.from_tensor(x, [bm, bk])
         b_d = TensorDescriptor.from_tensor(w, [bn, bk])
         c_d = TensorDescriptor.from_tensor(out, [bm, bn])
-        _gemm_tma[grid](a_d, b_d, c_d, m, n, k, BM=bm, BN=bn, BK=bk, STAGES=stages, GROUP_M=1, num_warps=warps)
+        _gemm_tma[grid](a_d, b_d, c_d, m, n, k, BM=bm, BN=bn, BK=bk, STAGES=stages, num_warps=warps)
     return out
 
 

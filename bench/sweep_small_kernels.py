@@ -2,9 +2,9 @@
 
 At the rollout's B = 256 (docs/benchmarks.md (d), profile) a `jet_kv` layer spends ~8.8 µs in SwiGLU with its
 FP8 epilogue (2.5 TB/s on ~22 MB) and ~4 µs per RMSNorm (2-4 MB): latency, not bytes. This times, under
-CUDA-graph replay, the shipped launches against other tile widths and warp counts, with and without the
-quantizing epilogue, and checks every variant's output, codes and scales bit-equal to the shipped launch.
-GPU only:
+CUDA-graph replay, the shipped launches against other tile widths and warp counts (the launchers' ``block`` /
+``block_r`` / ``num_warps`` overrides), with and without the quantizing epilogue, and checks every variant's
+output, codes and scales bit-equal to the shipped launch. GPU only:
 
     PYTHONPATH=. OUT=$OUT python3 bench/sweep_small_kernels.py
 
@@ -16,34 +16,17 @@ import json
 import os
 
 import torch
-import triton
 
 from jetrl.bench.timing import graph_time_us
-from jetrl.fp8.kernels.quant_triton import explicit_round
 from jetrl.models.fused import QuantizedOutput
 from jetrl.models.kernels import fused_triton as ft
 
 DEV = torch.device("cuda")
 
 
-def silu_launch(g, u, out, quant, block, warps):
-    rows, cols = g.shape
-    ft._silu_mul_kernel[(rows, triton.cdiv(cols, block))](
-        g, u, out, rows, cols, g.stride(0), u.stride(0), *ft._quant_args(quant, out),
-        BLOCK=block, DTYPE=ft._TL_DTYPES[g.dtype], EMULATE=ft._EMULATE, EXPLICIT_ROUND=explicit_round(),
-        num_warps=warps)
-    return out
-
-
 def norm_launch(x, w, out, quant, block_r, warps, delta=None, h=None):
-    rows, cols = out.shape
-    grid3 = x.view(-1, 1, cols)
-    ft._rms_norm_kernel[(triton.cdiv(rows, block_r),)](
-        grid3, w, out, rows, cols, 1, grid3.stride(0), grid3.stride(1), out.stride(0), 1e-6,
-        out if delta is None else delta, out if h is None else h, *ft._quant_args(quant, out),
-        BLOCK_R=block_r, BLOCK_C=triton.next_power_of_2(cols), X_DTYPE=ft._TL_DTYPES[x.dtype],
-        OUT_DTYPE=ft._TL_DTYPES[out.dtype], EMULATE=ft._EMULATE, ADD=delta is not None,
-        EXPLICIT_ROUND=explicit_round(), num_warps=warps)
+    """The shipped (add +) RMSNorm launch at another row tile and warp count, into ``out`` (and ``h``)."""
+    ft._launch_rms_norm(x.view(-1, 1, x.shape[-1]), w, out, 1e-6, delta, h, quant, block_r=block_r, num_warps=warps)
     return out
 
 
@@ -61,17 +44,16 @@ def main() -> None:
         g, u = gu[:, :12288], gu[:, 12288:]
         for quant in (False, True):
             ref_q = quant_buffers(m, 12288) if quant else None
-            ref = silu_launch(g, u, torch.empty(m, 12288, device=DEV, dtype=torch.bfloat16), ref_q, 1024, 4)
+            ref = ft.silu_mul_triton(g, u, ref_q)  # the shipped launch
             for block, warps in [(1024, 4), (1024, 2), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (512, 2),
                                  (512, 4)]:
                 q = quant_buffers(m, 12288) if quant else None
-                out = torch.empty(m, 12288, device=DEV, dtype=torch.bfloat16)
-                silu_launch(g, u, out, q, block, warps)
+                out = ft.silu_mul_triton(g, u, q, block=block, num_warps=warps)
                 same = torch.equal(out, ref) and (not quant or (torch.equal(q.codes.view(torch.uint8),
                                                                             ref_q.codes.view(torch.uint8))
                                                                 and torch.equal(q.scales, ref_q.scales)))
-                us = graph_time_us(lambda b=block, w=warps, o=out, qq=q: silu_launch(g, u, o, qq, b, w), DEV,
-                                   calls=20, replays=20)
+                us = graph_time_us(lambda b=block, w=warps, qq=q: ft.silu_mul_triton(g, u, qq, block=b, num_warps=w),
+                                   DEV, calls=20, replays=20)
                 res.append({"kernel": "silu_mul", "M": m, "quant": quant, "block": block, "warps": warps,
                             "us": us, "bit_equal": same})
         # RMSNorm and add + RMSNorm, hidden 4096

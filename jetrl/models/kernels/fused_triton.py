@@ -181,20 +181,22 @@ def _placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _launch_rms_norm(grid3: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float,
-                     delta: torch.Tensor | None, h: torch.Tensor | None, quantized: QuantizedOutput | None) -> None:
+                     delta: torch.Tensor | None, h: torch.Tensor | None, quantized: QuantizedOutput | None,
+                     block_r: int | None = None, num_warps: int | None = None) -> None:
     """One launch of ``_rms_norm_kernel`` over the (outer, inner, C) rows of ``grid3``; with ``delta`` and
     ``h`` (contiguous) it adds ``delta`` first and writes the sum to ``h``. The tiles depend on C only,
-    so a row's result does not depend on the batch."""
+    so a row's result does not depend on the batch. ``block_r`` / ``num_warps`` exist for
+    bench/sweep_small_kernels.py (another warp count may order the row sum differently)."""
     num_rows, cols = out.shape
     block_c = triton.next_power_of_2(cols)
-    block_r = max(1, min(64, 4096 // block_c))
+    block_r = block_r or max(1, min(64, 4096 // block_c))
     grid = (triton.cdiv(num_rows, block_r),)
     _rms_norm_kernel[grid](
         grid3, weight, out, num_rows, cols, grid3.shape[1], grid3.stride(0), grid3.stride(1), out.stride(0), eps,
         out if delta is None else delta, out if h is None else h, *_quant_args(quantized, out),
         BLOCK_R=block_r, BLOCK_C=block_c, X_DTYPE=_TL_DTYPES[grid3.dtype], OUT_DTYPE=_TL_DTYPES[out.dtype],
         EMULATE=_EMULATE, ADD=delta is not None, EXPLICIT_ROUND=explicit_round(),
-        num_warps=4 if block_c * block_r <= 4096 else 8,
+        num_warps=num_warps or (4 if block_c * block_r <= 4096 else 8),
     )
 
 
@@ -388,11 +390,13 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, num_rows, num_cols, stride_g, stride
                          scales_ptr, stride_sr, stride_sc, pow2, 1, BLOCK, EXPLICIT_ROUND)
 
 
-def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor, quantized: QuantizedOutput | None = None) -> torch.Tensor:
+def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor, quantized: QuantizedOutput | None = None, *,
+                    block: int = 1024, num_warps: int = 4) -> torch.Tensor:
     """Same signature and result as ``silu_mul_reference``: ``silu(gate) * up``, both (..., I) of one dtype.
 
     Rows may be strided (gate and up as column slices of one stacked GEMM output); the output is contiguous.
-    ``quantized``: as in ``rms_norm_triton``.
+    ``quantized``: as in ``rms_norm_triton``. ``block`` / ``num_warps`` exist for bench/sweep_small_kernels.py
+    (the result is elementwise: the same bits at any launch shape; ``block`` a multiple of 128).
     """
     assert gate.shape == up.shape and gate.dtype == up.dtype and gate.dtype in _TL_DTYPES, (gate.shape, up.shape)
     cols = gate.shape[-1]
@@ -400,9 +404,12 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor, quantized: QuantizedOu
     g2 = g2 if g2.stride(-1) == 1 else g2.contiguous()
     u2 = u2 if u2.stride(-1) == 1 else u2.contiguous()
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    rows, block = g2.shape[0], 1024
+    if block % 128 or block & (block - 1):
+        raise ValueError(f"silu_mul_triton: block must be a power of two and a multiple of 128, got {block}")
+    rows = g2.shape[0]
     _silu_mul_kernel[(rows, triton.cdiv(cols, block))](
         g2, u2, out, rows, cols, g2.stride(0), u2.stride(0), *_quant_args(quantized, out.view(rows, cols)),
-        BLOCK=block, DTYPE=_TL_DTYPES[gate.dtype], EMULATE=_EMULATE, EXPLICIT_ROUND=explicit_round(), num_warps=4,
+        BLOCK=block, DTYPE=_TL_DTYPES[gate.dtype], EMULATE=_EMULATE, EXPLICIT_ROUND=explicit_round(),
+        num_warps=num_warps,
     )
     return out
