@@ -25,7 +25,7 @@ def main() -> None:
         fp8 = kind.startswith("fp8")
         constexprs = {"G": 4, "DTYPE": tl.bfloat16, "BLOCK_G": 4, "BLOCK_S": block_s, "BLOCK_D": 128,
                       "NUM_SPLITS": 1, "IS_FP8": fp8, "POW2_SCALES": kind == "fp8 pow2", "ROW_ORDER": True,
-                      "EMULATE": False}
+                      "EMULATE": False, "P_TERMS": attention.POW2_P_TERMS}
         show(f"decode attention, {kind}, {block_s} positions",
              compile_like_launch(attention._decode_attention_kernel, decode_attention_args(fp8), constexprs,
                                  num_warps=warps, num_stages=stages))

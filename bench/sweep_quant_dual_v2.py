@@ -11,12 +11,12 @@ TB/s against 3.2 for the single-layout pass (docs/benchmarks.md (a)). Candidates
   moves the x^T codes between the load's layout (k contiguous per thread) and the store's (m contiguous)
   through shared memory, a byte at a time;
 * ``trans`` (``CANDIDATES=all``): quantize the rows of ``tl.trans(tile)`` instead of re-reading (slower, run AU);
-* ``gluon`` (not yet run on the H200): ``reload`` in Gluon, which states the layouts: the transposed read puts
+* ``gluon`` (run AY: 1.13-1.15x slower than ``reload``): ``reload`` in Gluon, which states the layouts: the transposed read puts
   16 consecutive m of one k in each thread and consecutive k in consecutive lanes (each load instruction reads
   64 contiguous bytes of x), so the codes are quantized where they are stored, 16 bytes per thread, and no value
   crosses threads but the amax reduction. Compiled for sm_90 (8 warps): 2880 SASS instructions against the
   shipped kernel's 2616, 64 two-byte loads per thread in place of its 64 one-byte shared-memory stores;
-* ``gluon_cvt`` (not yet run on the H200): the same, but the transposed tile is read 16 bytes at a time along k
+* ``gluon_cvt`` (run AY: 1.17-1.18x slower than ``reload``): the same, but the transposed tile is read 16 bytes at a time along k
   and its bf16 values are moved into the store's layout by Gluon's layout conversion, which compiles to the
   hardware's transposing matrix stores and loads (per thread and tile, at 8 warps: 8 ``STSM`` + 8
   ``LDSM.MT88`` and 16 ``LDG.E.128``, against the shipped kernel's 64 ``STS.U8``; 2720 SASS instructions). Gluon has no interpreter: on CPU ``SASS_ONLY=1`` compiles every
@@ -28,8 +28,9 @@ under TRITON_INTERPRET=1) and ``SASS_ONLY=1``:
 
     PYTHONPATH=. OUT=$OUT python3 bench/sweep_quant_dual_v2.py
 
-Result (runs AU and AV, docs/benchmarks.md (a)): ``reload`` with 128-wide chunks and 8 warps, 1.14-1.18x the kernel
-before it and 0.97-0.99x the two passes, is now ``quantize_dual_triton`` itself.
+Result (runs AU, AV and AY, docs/benchmarks.md (a)): ``reload`` with 128-wide chunks and 8 warps, 1.14-1.18x the
+kernel before it and 0.97-0.99x the two passes, is now ``quantize_dual_triton`` itself; neither Gluon candidate beat
+it at any chunk or warp count.
 """
 
 import collections

@@ -129,6 +129,22 @@ def test_micro_batch_reaches_the_config():
     assert h200_config(train_layers=36, micro_batch=4).micro_batch == 4
 
 
+@pytest.mark.parametrize("flag", [[], ["--torchao"]])
+def test_torchao_baseline_is_optional_and_never_breaks_the_run(flag, tmp_path, capsys):
+    # no torchao here (or no SM90): the rows say why instead of a figure, and the run still passes
+    assert main(["bench", "--smoke", "--sections", "b", "--out", str(tmp_path), *flag]) == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["sections"]["b"]["rows"]
+    fwd_bwd = [r for r in rows if r["name"].startswith("Float8Linear fwd+bwd")]
+    assert len(fwd_bwd) == 4
+    for row in fwd_bwd:
+        if flag:
+            assert row["torchao"].startswith("torchao ") and "off" not in row["torchao"], row["torchao"]
+            assert ("torchao_ms" in row) == ("unavailable" not in row["torchao"] and "failed" not in row["torchao"])
+        else:
+            assert row["torchao"] == "torchao baseline off (--torchao)" and "torchao_ms" not in row
+    assert ("--torchao" in json.loads((tmp_path / "bench.json").read_text())["meta"]["command"]) == bool(flag)
+
+
 def test_recipes_switch_in_place_on_shared_parameters():
     cfg = smoke_config()
     model = random_model(cfg.model_config(1), torch.device("cpu"), torch.bfloat16)

@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fewer fit more layers into memory")
     p.add_argument("--no-long-context", dest="long_context", action="store_false",
                    help="skip the long-context rollout config of section e")
+    p.add_argument("--torchao", action="store_true",
+                   help="(b) also times torchao's blockwise FP8 training linear, the same recipe, as a second "
+                        "baseline (needs torchao importable; its Triton autotuning makes (b) take ~3 minutes on an H200)")
     p.add_argument("--in-process", action="store_true",
                    help="run every section in this process (default on CUDA: one child process per section, so "
                         "a section that corrupts CUDA state -- a sticky kernel fault, a broken graph capture -- "
@@ -53,10 +56,13 @@ def command_line(args: argparse.Namespace, sections: str, out: str | None = None
         if value is not None:
             parts += [flag, str(value)]
     parts += [] if args.long_context else ["--no-long-context"]
+    parts += ["--torchao"] if args.torchao else []
     return shlex.join(parts)
 
 
 def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     import torch
 
     from jetrl.bench.runner import run_bench
@@ -72,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     preset = smoke_config if args.smoke else h200_config
     sizes = {k: v for k, v in (("layers", args.layers), ("train_layers", args.train_layers),
                                ("micro_batch", args.micro_batch)) if v is not None}
-    cfg = preset(long_context=args.long_context, **sizes)
+    cfg = replace(preset(long_context=args.long_context, **sizes), torchao=args.torchao)
     child = None
     if device.type == "cuda" and len(sections) > 1 and not args.in_process:
         def child(key: str, out: str) -> list[str]:  # the argv of a child process running section ``key`` alone

@@ -15,6 +15,8 @@
     y, dx, dw against an fp32 ``nn.Linear`` with the same weights, and the fprop / dgrad /
     wgrad operand layouts of the dispatched FP8 GEMM against the emulation. Also recorded:
     the three FP8 GEMMs alone, pre-quantized (what the quantization costs on top). Target 1.45x.
+    Optional second baseline (``--torchao``): torchao's blockwise FP8 training linear, the same
+    recipe (``torchao_baseline.py``), SQNR-checked and timed the same way.
 (c) ``decode_gemms``: the same four GEMMs at decode rows M, under CUDA-graph replay
     (``graph_calls`` back-to-back calls per graph): BF16 ``F.linear``; each FP8 GEMM backend
     on pre-quantized operands; and "fp8" = a Float8Linear in the rollout phase (activation
@@ -40,6 +42,7 @@ from jetrl.bench.checks import GEMM_REL_ERR_MAX, LINEAR_SQNR_MIN_DB, bit_equal, 
 from jetrl.bench.report import error_row, guarded, set_target
 from jetrl.bench.shapes import BenchConfig
 from jetrl.bench.timing import HBM_BYTES_PER_S, graph_time_us, tb_per_s, time_ms
+from jetrl.bench.torchao_baseline import torchao_linear
 from jetrl.fp8 import Float8Blocks, Float8Linear, fp8_gemm, gemm_emulated, get_recipe, override_backend, quantize
 from jetrl.fp8 import gemm as gemm_module
 from jetrl.fp8 import quant as quant_module
@@ -186,8 +189,16 @@ def _linear_rows(cfg: BenchConfig, device: torch.device, name: str, m: int, k: i
     y8 = fp8(xf)
     y8.backward(dy)
     sqnr = {"y": sqnr_db(y8, y32), "dx": sqnr_db(xf.grad, x32.grad), "dw": sqnr_db(fp8.weight.grad, ref32.weight.grad)}
-    del x32, y32, xf, y8, ref32
     fp8.weight.grad = None
+    ao, ao_version = torchao_linear(bf16) if cfg.torchao else (None, "torchao baseline off (--torchao)")
+    if ao is not None:
+        xa = x.clone().requires_grad_()
+        ya = ao(xa)
+        ya.backward(dy)
+        ao_sqnr = {"y": sqnr_db(ya, y32), "dx": sqnr_db(xa.grad, x32.grad), "dw": sqnr_db(bf16.weight.grad, ref32.weight.grad)}
+        bf16.weight.grad = None
+        del xa, ya
+    del x32, y32, xf, y8, ref32
 
     xg = x.clone().requires_grad_()
 
@@ -223,6 +234,12 @@ def _linear_rows(cfg: BenchConfig, device: torch.device, name: str, m: int, k: i
           "check_detail": f"SQNR y/dx/dw {sqnr['y']:.1f}/{sqnr['dx']:.1f}/{sqnr['dw']:.1f} dB",
           "note": f"3 GEMMs alone {gemms_bf16 / gemms_fp8:.2f}x; act quant {act_quant:.3f} ms"}
     set_target(fb, ">=", LINEAR_TARGET, smoke=cfg.smoke)
+    fb["torchao"] = ao_version
+    if ao is not None:
+        fb_ao = time_ms(fwd_bwd(ao), **timer)
+        fb.update(torchao_ms=fb_ao, ratio_torchao_vs_bf16=fb_bf16 / fb_ao, ratio_vs_torchao=fb_ao / fb_fp8,
+                  torchao_sqnr_db=ao_sqnr)
+        fb["note"] += f"; {ao_version} {fb_bf16 / fb_ao:.2f}x bf16 (jet {fb_ao / fb_fp8:.2f}x torchao)"
     return [fwd, fb]
 
 

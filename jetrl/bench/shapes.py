@@ -83,6 +83,7 @@ class BenchConfig:
     rl_prompt: int
     rl_completion: int
     rl_steps: int  # timed RL steps per recipe, after one warm-up step
+    torchao: bool = False  # (b) also torchao's blockwise FP8 linear (--torchao; jetrl/bench/torchao_baseline.py)
 
     def __post_init__(self) -> None:
         if self.layers < 1 or self.train_layers < 1:

@@ -69,9 +69,15 @@ rounding difference (up to fp32 summation order, as everywhere here):
                                                    2^-e goes into sm_scale
     sum_j p_j V_hat_j = s_max sum_j (p_j s_j / s_max) c_j      s_max: the tile's largest V scale
 
-The factor ``p_j s_j / s_max`` <= 1 is exact in fp32 and split as hi + lo in fp16 (22 bits where
-it is >= 2^-3, an absolute error <= 2^-25 below), so the only per-element work left is the
-hardware E4M3 -> fp16 conversion. V's reduction axis (positions) is not contiguous, and with 8-bit
+The factor ``p_j s_j / s_max`` <= 1 is exact in fp32 and enters the product as one fp16 (11
+significant bits, a relative rounding error <= 2^-11; the trainer's flash attention multiplies V
+by a BF16 P, 8 bits), so the only per-element work left is the hardware E4M3 -> fp16 conversion.
+``POW2_P_TERMS = 2`` splits it as hi + lo instead (two products, ~22 bits): on the H200 (run AZ,
+``bench/sweep_attention_p_terms.py``) one term is 2.6% faster at B = 256 / ctx 649 (92.6 vs 95.1
+µs) and 3.2% at B = 64 / ctx 3.6K (128.0 vs 132.1 µs), its max error against the fp32 reference 3.9e-3
+vs 9.8e-4 at 3.6K (the same 7.8e-3 at B = 256, where the output's bf16 rounding dominates), and
+the engine-vs-trainer logprob gap of ``jet_kv`` unchanged: 8.82e-3 vs 8.83e-3, mean of 5 seeds
+(``jet``: 8.17e-3). V's reduction axis (positions) is not contiguous, and with 8-bit
 codes Triton moves V into the mma layout one ld.shared.b8 per element; the conversion to fp16 is
 therefore pinned (impure inline PTX) before that move, which then uses ldmatrix.trans.
 
@@ -80,7 +86,7 @@ BF16 cache 158 µs (4.3 TB/s of valid K/V); FP8 with fp32 scales 131 µs; FP8 wi
 (3.8 TB/s, 1.71x the BF16 cache). At B = 64, 3.6K context (sweep, before the row order): 232, 193 and
 135 µs (1.72x). Measured and dropped before this layout (docs/benchmarks.md, section d): fp16 codes
 with fp32 scales outside the dots, E4M3 tensor-core dots, a transposed V cache, loosened length
-masks; and since, P as one fp16 term (7-9% faster, 4x the error).
+masks.
 
 Interpreter (TRITON_INTERPRET=1, the CPU tests): its tl.dot multiplies the raw uint16 storage of
 bf16 operands and its fp32 -> bf16 cast truncates, so with EMULATE the dots are taken in IEEE
@@ -113,6 +119,8 @@ MERGE_WARPS = 1
 DEFAULT_NUM_SMS = 132  # H100 / H200; used off-GPU (interpreter)
 # (block_s, num_warps, num_stages) per cache kind: the H200 sweep's best (bench/sweep_decode_attention.py)
 DEFAULT_TILES = {"model dtype": (32, 1, 2), "fp8": (32, 1, 3), "fp8 pow2": (32, 1, 3)}
+# fp16 terms of P in the pow2 path's P V product (module docstring): 1 = one fp16 (11 bits), 2 = hi + lo (~22)
+POW2_P_TERMS = 1
 _EMULATE = INTERPRET
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -162,7 +170,8 @@ def _dequantized(codes, scale_row_ptr, pos, stride_scale, s_mask, DTYPE: tl.cons
 @triton.jit
 def _attend_tile(qT, m, l, accT, tile_start, end, offs_s, offs_d, d_mask, qk_scale,
                  k_row, ks_row, stride_ks, stride_kd, stride_kss, v_row, vs_row, stride_vs, stride_vd, stride_vss,
-                 DTYPE: tl.constexpr, IS_FP8: tl.constexpr, POW2_SCALES: tl.constexpr, EMULATE: tl.constexpr):
+                 DTYPE: tl.constexpr, IS_FP8: tl.constexpr, POW2_SCALES: tl.constexpr, EMULATE: tl.constexpr,
+                 P_TERMS: tl.constexpr):
     """One BLOCK_S tile of the online softmax, transposed (module docstring): the updated (m, l, accT)."""
     pos = tile_start + offs_s
     s_mask = pos < end
@@ -185,9 +194,12 @@ def _attend_tile(qT, m, l, accT, tile_start, end, offs_s, offs_d, d_mask, qk_sca
         s_max = tl.max(v_scale, axis=0)
         pw = pT * (v_scale / s_max)[:, None]
         p_hi = pw.to(tl.float16)
-        p_lo = (pw - p_hi.to(tl.float32)).to(tl.float16)
         vT = tl.trans(_e4m3_to_f16(v, EMULATE))
-        pv = (_dot(vT, p_hi, EMULATE) + _dot(vT, p_lo, EMULATE)) * s_max
+        if P_TERMS == 2:
+            p_lo = (pw - p_hi.to(tl.float32)).to(tl.float16)
+            pv = (_dot(vT, p_hi, EMULATE) + _dot(vT, p_lo, EMULATE)) * s_max
+        else:
+            pv = _dot(vT, p_hi, EMULATE) * s_max
     else:
         if IS_FP8:
             v = _dequantized(v, vs_row, pos, stride_vss, s_mask, DTYPE, EMULATE)
@@ -243,7 +255,7 @@ def _decode_attention_kernel(
     stride_ob, stride_oh, stride_od,
     G: tl.constexpr, DTYPE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr, POW2_SCALES: tl.constexpr, ROW_ORDER: tl.constexpr,
-    EMULATE: tl.constexpr, QUANT: tl.constexpr = False, QUANT_POW2: tl.constexpr = False,
+    EMULATE: tl.constexpr, P_TERMS: tl.constexpr, QUANT: tl.constexpr = False, QUANT_POW2: tl.constexpr = False,
     EXPLICIT_ROUND: tl.constexpr = False,
 ):
     pid, split = tl.program_id(0), tl.program_id(1)
@@ -281,14 +293,14 @@ def _decode_attention_kernel(
             m, l, accT = _attend_tile(qT, m, l, accT, tile_start, end, offs_s, offs_d, d_mask, qk_scale,
                                      k_row, ks_row, stride_ks, stride_kd, stride_kss,
                                      v_row, vs_row, stride_vs, stride_vd, stride_vss,
-                                     DTYPE, IS_FP8, POW2_SCALES, EMULATE)
+                                     DTYPE, IS_FP8, POW2_SCALES, EMULATE, P_TERMS)
             tile_start += BLOCK_S
     else:  # a for loop, so that Triton software-pipelines the K/V loads (num_stages)
         for tile_start in range(start, end, BLOCK_S):
             m, l, accT = _attend_tile(qT, m, l, accT, tile_start, end, offs_s, offs_d, d_mask, qk_scale,
                                      k_row, ks_row, stride_ks, stride_kd, stride_kss,
                                      v_row, vs_row, stride_vs, stride_vd, stride_vss,
-                                     DTYPE, IS_FP8, POW2_SCALES, EMULATE)
+                                     DTYPE, IS_FP8, POW2_SCALES, EMULATE, P_TERMS)
 
     out_mask = d_mask[:, None] & g_mask[None, :]  # (BLOCK_D, BLOCK_G), as accT
     if NUM_SPLITS == 1:
@@ -366,6 +378,7 @@ def decode_attention_triton(
     num_stages: int | None = None,
     quantized=None,
     merge_warps: int = MERGE_WARPS,
+    p_terms: int | None = None,
 ) -> torch.Tensor:
     """Same signature and result as ``decode_attention_reference``: (B, H, D) in q.dtype.
 
@@ -417,7 +430,7 @@ def decode_attention_triton(
         *q.stride(), *k.stride(), *v.stride(), *ks_strides, *vs_strides, *out.stride(),
         G=G, DTYPE=dtype, BLOCK_G=triton.next_power_of_2(G), BLOCK_S=block_s, BLOCK_D=block_d,
         NUM_SPLITS=num_splits, IS_FP8=is_fp8, POW2_SCALES=pow2_path, ROW_ORDER=row_order is not None,
-        EMULATE=_EMULATE, **attn_kw,
+        EMULATE=_EMULATE, P_TERMS=POW2_P_TERMS if p_terms is None else p_terms, **attn_kw,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
