@@ -1,6 +1,8 @@
 """Old vs new backward of RMSNorm, RoPE and SwiGLU on the GPU, at the training shapes of ``jetrl bench`` (f)
 (9216 tokens per micro-batch of an 8B-shaped Qwen3). "old" is autograd through the fp32 PyTorch reference
-(``_reference_grads``, the backward before the fused kernels); "new" the fused Triton kernels. GPU only.
+(``_reference_grads``, the backward before the fused kernels); "new" the fused Triton kernels. The last row:
+add + RMSNorm's backward with the residual stream's gradient added by PyTorch ("old") or in the kernel ("new").
+GPU only.
 
     PYTHONPATH=. python3 bench/time_fused_backward.py
 """
@@ -18,7 +20,7 @@ def rand(*shape):
 
 
 def main() -> None:
-    x, gy, w = rand(9216, 4096), rand(9216, 4096), rand(4096)
+    x, gy, w, gr = rand(9216, 4096), rand(9216, 4096), rand(4096), rand(9216, 4096)
     h, gh = rand(9216, 32, 128), rand(9216, 32, 128)
     q, cos, sin = rand(8, 1152, 32, 128).transpose(1, 2), rand(8, 1152, 128), rand(8, 1152, 128)
     gate, up, gs = rand(9216, 12288), rand(9216, 12288), rand(9216, 12288)
@@ -32,6 +34,8 @@ def main() -> None:
          lambda: apply_rope_backward_triton(q, cos, sin)),
         ("SwiGLU 9216x12288", lambda: _reference_grads(silu_mul_reference, (gate, up), gs, (True, True)),
          lambda: silu_mul_backward_triton(gate, up, gs)),
+        ("add+RMSNorm 9216x4096, residual grad", lambda: rms_norm_backward_triton(x, w, 1e-6, gy)[0] + gr,
+         lambda: rms_norm_backward_triton(x, w, 1e-6, gy, residual_grad=gr)),
     ]
     for name, old, new in cases:
         print(f"{name}: old {do_bench(old):.3f} ms, new {do_bench(new):.3f} ms", flush=True)

@@ -26,8 +26,8 @@ from .conftest import compile_for_sm90
 
 HEADER = r"""
 import torch
-from jetrl.models.fused import (_FusedRMSNorm, _FusedRoPE, _FusedSiluMul, _reference_grads, apply_rope_reference,
-                                rms_norm_reference, silu_mul_reference)
+from jetrl.models.fused import (_FusedAddRMSNorm, _FusedRMSNorm, _FusedRoPE, _FusedSiluMul, _reference_grads,
+                                apply_rope_reference, rms_norm_reference, silu_mul_reference)
 from jetrl.models.kernels.fused_backward_triton import rms_norm_backward_triton, silu_mul_backward_triton
 from jetrl.models.kernels.fused_triton import apply_rope_backward_triton
 
@@ -92,6 +92,27 @@ for name, a, b in zip(("grad_x", "grad_w"), got, ref):
     fp32_close(name, a, b)
 (gx_only,) = torch.autograd.grad(_FusedRMSNorm.apply(x, w.detach(), 1e-5), (x,), gy)
 assert torch.equal(gx_only, got[0])
+# a residual gradient added in the kernel: grad_x + residual_grad bit for bit (a strided residual too)
+for dtype in (torch.bfloat16, torch.float32):
+    x, gy = (torch.randn(6, 5, 256) * 3).to(dtype), torch.randn(6, 5, 256).to(dtype)
+    w = (1 + 0.1 * torch.randn(256)).to(dtype)
+    gr = torch.randn(5, 6, 256).to(dtype).transpose(0, 1)
+    gx, gw = rms_norm_backward_triton(x, w, 1e-6, gy)
+    gx_res, gw_res = rms_norm_backward_triton(x, w, 1e-6, gy, residual_grad=gr)
+    assert torch.equal(gx_res, gx + gr) and torch.equal(gw_res, gw), dtype
+# add + RMSNorm's Function: grad_x = grad_delta = grad_h + the norm's grad, as autograd of the two ops sums them
+xa = torch.randn(4, 3, 128).to(torch.bfloat16).requires_grad_()
+da = torch.randn(4, 3, 128).to(torch.bfloat16).requires_grad_()
+wa = (1 + 0.1 * torch.randn(128)).to(torch.bfloat16).requires_grad_()
+h, y = _FusedAddRMSNorm.apply(xa, da, wa, 1e-6)
+gh, gy = torch.randn(4, 3, 128).to(torch.bfloat16), torch.randn(4, 3, 128).to(torch.bfloat16)
+got = torch.autograd.grad((h, y), (xa, da, wa), (gh, gy))
+gx_norm, gw_norm = rms_norm_backward_triton(h.detach(), wa.detach(), 1e-6, gy)
+assert torch.equal(got[0], gh + gx_norm) and torch.equal(got[1], got[0]) and torch.equal(got[2], gw_norm)
+(gd_only,) = torch.autograd.grad(_FusedAddRMSNorm.apply(xa.detach(), da, wa.detach(), 1e-6), (da,), (gh, gy))
+assert torch.equal(gd_only, got[1])
+(gw_only,) = torch.autograd.grad(_FusedAddRMSNorm.apply(xa.detach(), da.detach(), wa, 1e-6)[1], (wa,), gy)
+assert torch.equal(gw_only, got[2])
 print("OK")
 """
 
@@ -159,10 +180,11 @@ def test_backward_kernels_compile_for_hopper():
     from jetrl.models.kernels import fused_backward_triton, fused_triton
 
     bf16 = {"X_DTYPE": tl.bfloat16, "Y_DTYPE": tl.bfloat16, "HAS_GW": True, "EMULATE": False}
-    for block_r, block_c in ((1, 8192), (16, 128)):
+    for block_r, block_c, has_res in ((1, 8192, False), (16, 128, True), (8, 4096, True)):
         norm = compile_for_sm90(fused_backward_triton._rms_norm_bwd_kernel,
-                                {"BLOCK_R": block_r, "BLOCK_C": block_c, "ITERS": 4, **bf16},
-                                {"x_ptr": "*bf16", "w_ptr": "*bf16", "gy_ptr": "*bf16", "gx_ptr": "*bf16"},
+                                {"BLOCK_R": block_r, "BLOCK_C": block_c, "ITERS": 4, "HAS_RES": has_res, **bf16},
+                                {"x_ptr": "*bf16", "w_ptr": "*bf16", "gy_ptr": "*bf16", "gr_ptr": "*bf16",
+                                 "gx_ptr": "*bf16"},
                                 floats=("eps",), num_warps=16 if block_c > 4096 else 8)
         assert norm.asm["cubin"]
     silu = compile_for_sm90(fused_backward_triton._silu_mul_bwd_kernel,
@@ -200,6 +222,8 @@ def test_backward_kernels_on_cuda_at_training_sizes():
         terms = (gy.float() * x.float()).abs().reshape(-1, shape[-1]).sum(0)  # |x * r| ~ |x| / 3
         assert bool(((gw.float() - rw.float()).abs() <= 2.0 ** -7 * (rw.float().abs() + terms)).all()), shape
         assert torch.equal(rms_norm_backward_triton(x, w, 1e-6, gy)[1], gw)  # no atomics: run to run the same
+        gr = torch.randn(shape, device=dev).to(bf16)  # add + RMSNorm's residual gradient, added in the kernel
+        assert torch.equal(rms_norm_backward_triton(x, w, 1e-6, gy, residual_grad=gr)[0], gx + gr), shape
     for heads in (32, 8):
         cos, sin = torch.randn(8, 1152, 128, device=dev).to(bf16), torch.randn(8, 1152, 128, device=dev).to(bf16)
         gy = torch.randn(8, 1152, heads, 128, device=dev).to(bf16).transpose(1, 2)

@@ -242,7 +242,7 @@ class _FusedRMSNorm(torch.autograd.Function):
 
 class _FusedAddRMSNorm(torch.autograd.Function):
     """(h, y) = (x + delta, rms_norm(h)); grad_x = grad_delta = grad_h + the norm's grad wrt h, the sum
-    autograd forms for h's two uses in the unfused graph."""
+    autograd forms for h's two uses in the unfused graph (added inside the norm's backward kernel)."""
 
     @staticmethod
     def forward(ctx, x, delta, weight, eps):
@@ -259,8 +259,8 @@ class _FusedAddRMSNorm(torch.autograd.Function):
         need_x, need_delta, need_w = ctx.needs_input_grad[:3]
         grad_w = None
         if grad_y is not None:
-            grad_norm, grad_w = _rms_norm_grads(h, weight, ctx.eps, grad_y, need_x or need_delta, need_w)
-            grad_h = grad_norm if grad_h is None or grad_norm is None else grad_h + grad_norm
+            grad_h, grad_w = _rms_norm_grads(h, weight, ctx.eps, grad_y, need_x or need_delta, need_w,
+                                             residual_grad=grad_h)
         return (grad_h if need_x else None), (grad_h if need_delta else None), grad_w, None
 
 
@@ -311,16 +311,26 @@ class _FusedRoPE(torch.autograd.Function):
         return apply_rope_backward_triton(grad, cos, sin), None, None
 
 
-def _rms_norm_grads(x: Tensor, weight: Tensor, eps: float, grad: Tensor, need_x: bool,
-                    need_w: bool) -> tuple[Tensor | None, Tensor | None]:
+def _rms_norm_grads(x: Tensor, weight: Tensor, eps: float, grad: Tensor, need_x: bool, need_w: bool,
+                    residual_grad: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
     """(grad_x, grad_weight) of ``rms_norm_reference(x, weight, eps)``: the backward kernel, or autograd
-    through the reference for rows too wide for it."""
+    through the reference for rows too wide for it. ``residual_grad``: a second gradient of x (None: none), added
+    to grad_x -- in the kernel when it can (same shape and dtype as x), else by PyTorch; returned as grad_x alone
+    when grad_x itself is not needed."""
     from jetrl.models.kernels.fused_backward_triton import RMS_NORM_BACKWARD_MAX_COLS, rms_norm_backward_triton
 
-    if x.shape[-1] > RMS_NORM_BACKWARD_MAX_COLS:  # too wide for one row in registers: the reference
-        return tuple(_reference_grads(lambda a, w: rms_norm_reference(a, w, eps), (x, weight), grad, (need_x, need_w)))
-    grad_x, grad_w = rms_norm_backward_triton(x, weight, eps, grad, need_weight_grad=need_w)
-    return (grad_x if need_x else None), grad_w
+    wide = x.shape[-1] > RMS_NORM_BACKWARD_MAX_COLS  # too wide for one row in registers: the reference
+    fused = (need_x and not wide and residual_grad is not None and residual_grad.shape == x.shape
+             and residual_grad.dtype == x.dtype)
+    if wide:
+        grad_x, grad_w = _reference_grads(lambda a, w: rms_norm_reference(a, w, eps), (x, weight), grad, (need_x, need_w))
+    else:
+        grad_x, grad_w = rms_norm_backward_triton(x, weight, eps, grad, need_weight_grad=need_w,
+                                                  residual_grad=residual_grad if fused else None)
+        grad_x = grad_x if need_x else None
+    if fused or residual_grad is None:
+        return grad_x, grad_w
+    return (residual_grad if grad_x is None else grad_x + residual_grad), grad_w
 
 
 def _reference_grads(fn, inputs: tuple[Tensor, ...], grad: Tensor, needed: tuple[bool, ...]) -> list[Tensor | None]:

@@ -19,6 +19,10 @@ Math and rounding (round = RNE to a dtype; each line says where it follows the r
               gx    = round_x(r * (g - n * sum(g * n) / D))  one fp32 expression, rounded once
               gw    = round_w(sum_rows round_y(grad_y * round_x(n)))   products rounded as the
                       reference's mul backward does (y's dtype), summed in fp32
+              with a residual gradient gr (add_rms_norm, whose input also feeds the residual stream):
+              gx'   = round_x(gx + gr)                       autograd's accumulation of x's two
+                      gradients, bit for bit: the same two x-dtype values added once, in the
+                      kernel instead of a separate pass over three (tokens, hidden) tensors
     SwiGLU    s = round(g / (1 + e)), sig = 1 / (1 + e), e = exp(-g)      (fp32, as the forward)
               grad_u = round(grad * s);  grad_g = round(round(grad * u) * sig * (1 + g * (1 - sig)))
               (the reference's mul backward, then PyTorch's silu_backward in fp32, in its order)
@@ -57,10 +61,10 @@ def _num_sms(device: torch.device) -> int:
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(x_ptr, w_ptr, gy_ptr, gx_ptr, gw_ptr, num_rows, num_cols, inner,
-                         sx_outer, sx_inner, sg_outer, sg_inner, eps,
+def _rms_norm_bwd_kernel(x_ptr, w_ptr, gy_ptr, gr_ptr, gx_ptr, gw_ptr, num_rows, num_cols, inner,
+                         sx_outer, sx_inner, sg_outer, sg_inner, sr_outer, sr_inner, eps,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ITERS: tl.constexpr, X_DTYPE: tl.constexpr,
-                         Y_DTYPE: tl.constexpr, HAS_GW: tl.constexpr, EMULATE: tl.constexpr):
+                         Y_DTYPE: tl.constexpr, HAS_GW: tl.constexpr, HAS_RES: tl.constexpr, EMULATE: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_C)
     col_ok = cols < num_cols
@@ -79,6 +83,10 @@ def _rms_norm_bwd_kernel(x_ptr, w_ptr, gy_ptr, gx_ptr, gw_ptr, num_rows, num_col
         g = rounded(gy * w[None, :], X_DTYPE)
         mean_gn = tl.math.div_rn(tl.sum(g * n, axis=1), num_cols.to(tl.float32))
         gx = r[:, None] * (g - n * mean_gn[:, None])
+        if HAS_RES:  # x's second gradient, from the residual stream: autograd's add, one rounding (module docstring)
+            r_rows = (rows // inner) * sr_outer + (rows % inner) * sr_inner
+            gr = tl.load(gr_ptr + r_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            gx = rounded(gx, X_DTYPE) + gr
         tl.store(gx_ptr + rows[:, None] * num_cols + cols[None, :], round_to(gx, X_DTYPE, EMULATE), mask=mask)
         if HAS_GW:
             gw += rounded(gy * rounded(n, X_DTYPE), Y_DTYPE)
@@ -87,18 +95,23 @@ def _rms_norm_bwd_kernel(x_ptr, w_ptr, gy_ptr, gx_ptr, gw_ptr, num_rows, num_col
 
 
 def rms_norm_backward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, grad: torch.Tensor,
-                             need_weight_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                             need_weight_grad: bool = True, residual_grad: torch.Tensor | None = None,
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(grad_x, grad_weight) of ``rms_norm_reference(x, weight, eps)`` for the output's gradient ``grad``.
 
     ``x`` and ``grad`` may be strided in their leading dims as in ``rms_norm_triton``; grad_x is
-    contiguous. grad_weight is None unless ``need_weight_grad``.
+    contiguous. grad_weight is None unless ``need_weight_grad``. ``residual_grad`` (x's shape and dtype):
+    a second gradient of x, added in the kernel -- ``grad_x + residual_grad`` bit for bit, one pass fewer.
     """
     cols = x.shape[-1]
     y_dtype = torch.promote_types(weight.dtype, x.dtype)
     assert weight.shape == (cols,) and weight.is_contiguous() and x.dtype in _TL_DTYPES, (x.shape, weight.shape)
     assert grad.shape == x.shape and grad.dtype == y_dtype, (grad.shape, grad.dtype, x.shape, y_dtype)
     assert cols <= RMS_NORM_BACKWARD_MAX_COLS, cols
+    if residual_grad is not None:
+        assert residual_grad.shape == x.shape and residual_grad.dtype == x.dtype, (residual_grad.shape, residual_grad.dtype)
     x3, g3 = row_grid(x), row_grid(grad)  # (outer, inner, C) each
+    r3 = g3 if residual_grad is None else row_grid(residual_grad)
     inner, num_rows = x3.shape[1], x3.shape[0] * x3.shape[1]
     grad_x = torch.empty((num_rows, cols), dtype=x.dtype, device=x.device)
     block_c = triton.next_power_of_2(cols)
@@ -111,10 +124,11 @@ def rms_norm_backward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, 
     # (P, C) fp32 partial sums of grad_w, one row per program; summed below in a fixed order
     partial = torch.empty((num_programs, cols), dtype=torch.float32, device=x.device) if need_weight_grad else grad_x
     _rms_norm_bwd_kernel[(num_programs,)](
-        x3, weight, g3, grad_x, partial, num_rows, cols, inner,
-        x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1), eps,
+        x3, weight, g3, r3, grad_x, partial, num_rows, cols, inner,
+        x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1), r3.stride(0), r3.stride(1), eps,
         BLOCK_R=block_r, BLOCK_C=block_c, ITERS=iters, X_DTYPE=_TL_DTYPES[x.dtype], Y_DTYPE=_TL_DTYPES[y_dtype],
-        HAS_GW=need_weight_grad, EMULATE=_EMULATE, num_warps=8 if block_c <= 4096 else 16,
+        HAS_GW=need_weight_grad, HAS_RES=residual_grad is not None, EMULATE=_EMULATE,
+        num_warps=8 if block_c <= 4096 else 16,
     )
     grad_w = partial.sum(0).to(weight.dtype) if need_weight_grad else None
     return grad_x.view(x.shape), grad_w
