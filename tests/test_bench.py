@@ -145,6 +145,47 @@ def test_torchao_baseline_is_optional_and_never_breaks_the_run(flag, tmp_path, c
     assert ("--torchao" in json.loads((tmp_path / "bench.json").read_text())["meta"]["command"]) == bool(flag)
 
 
+@pytest.mark.parametrize("breaks", [False, True])
+def test_torchao_fields_time_a_working_baseline_and_record_a_broken_one(monkeypatch, breaks):
+    import sys
+    import types
+
+    from jetrl.bench.torchao_baseline import torchao_fields
+
+    class Stand(nn.Module):  # stands in for torchao's Float8BlockwiseLinear: the same weight, plain BF16 math
+        def __init__(self, mod):
+            super().__init__()
+            self.weight = mod.weight
+
+        def forward(self, x):
+            if breaks:
+                raise RuntimeError("scaled_mm: no such kernel")
+            return x @ self.weight.t()
+
+    linear = types.ModuleType("torchao.prototype.blockwise_fp8_training.linear")
+    linear.Float8BlockwiseLinear = types.SimpleNamespace(from_float=Stand)
+    for name in ("torchao", "torchao.prototype", "torchao.prototype.blockwise_fp8_training"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["torchao"].__version__ = "0.0-stand-in"
+    monkeypatch.setitem(sys.modules, linear.__name__, linear)
+
+    torch.manual_seed(0)
+    bf16 = nn.Linear(256, 128, bias=False, dtype=torch.bfloat16)
+    x, dy = torch.randn(32, 256, dtype=torch.bfloat16), torch.randn(32, 128, dtype=torch.bfloat16)
+    x32 = x.float().requires_grad_()
+    w32 = bf16.weight.detach().float().requires_grad_()
+    y32 = x32 @ w32.t()
+    y32.backward(dy.float())
+    timer = {"device": torch.device("cpu"), "iters": 1, "warmup": 0}
+    fields = torchao_fields(bf16, x, dy, {"y": y32, "dx": x32.grad, "dw": w32.grad}, timer)
+    assert bf16.weight.grad is None  # the shared weight is left as found
+    if breaks:  # recorded, not raised: the row's jetrl and BF16 figures stand
+        assert fields == {"torchao": "torchao 0.0-stand-in failed (RuntimeError: scaled_mm: no such kernel)"}
+    else:
+        assert fields["torchao"] == "torchao 0.0-stand-in" and fields["torchao_ms"] > 0
+        assert all(v > 30 for v in fields["torchao_sqnr_db"].values())  # BF16 math against fp32: high SQNR
+
+
 def test_recipes_switch_in_place_on_shared_parameters():
     cfg = smoke_config()
     model = random_model(cfg.model_config(1), torch.device("cpu"), torch.bfloat16)

@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the long-context rollout config of section e")
     p.add_argument("--torchao", action="store_true",
                    help="(b) also times torchao's blockwise FP8 training linear, the same recipe, as a second "
-                        "baseline (needs torchao importable; its Triton autotuning makes (b) take ~3 minutes on an H200)")
+                        "baseline (needs torchao importable; (b) took ~3 minutes with it on an H200)")
     p.add_argument("--in-process", action="store_true",
                    help="run every section in this process (default on CUDA: one child process per section, so "
                         "a section that corrupts CUDA state -- a sticky kernel fault, a broken graph capture -- "

@@ -42,7 +42,8 @@ from jetrl.bench.checks import GEMM_REL_ERR_MAX, LINEAR_SQNR_MIN_DB, bit_equal, 
 from jetrl.bench.report import error_row, guarded, set_target
 from jetrl.bench.shapes import BenchConfig
 from jetrl.bench.timing import HBM_BYTES_PER_S, graph_time_us, tb_per_s, time_ms
-from jetrl.bench.torchao_baseline import torchao_linear
+from jetrl.bench.torchao_baseline import OFF as TORCHAO_OFF
+from jetrl.bench.torchao_baseline import torchao_fields
 from jetrl.fp8 import Float8Blocks, Float8Linear, fp8_gemm, gemm_emulated, get_recipe, override_backend, quantize
 from jetrl.fp8 import gemm as gemm_module
 from jetrl.fp8 import quant as quant_module
@@ -190,14 +191,9 @@ def _linear_rows(cfg: BenchConfig, device: torch.device, name: str, m: int, k: i
     y8.backward(dy)
     sqnr = {"y": sqnr_db(y8, y32), "dx": sqnr_db(xf.grad, x32.grad), "dw": sqnr_db(fp8.weight.grad, ref32.weight.grad)}
     fp8.weight.grad = None
-    ao, ao_version = torchao_linear(bf16) if cfg.torchao else (None, "torchao baseline off (--torchao)")
-    if ao is not None:
-        xa = x.clone().requires_grad_()
-        ya = ao(xa)
-        ya.backward(dy)
-        ao_sqnr = {"y": sqnr_db(ya, y32), "dx": sqnr_db(xa.grad, x32.grad), "dw": sqnr_db(bf16.weight.grad, ref32.weight.grad)}
-        bf16.weight.grad = None
-        del xa, ya
+    timer = {"device": device, "iters": cfg.iters, "warmup": cfg.warmup, "back_to_back": cfg.back_to_back}
+    ao = (torchao_fields(bf16, x, dy, {"y": y32, "dx": x32.grad, "dw": ref32.weight.grad}, timer) if cfg.torchao
+          else {"torchao": TORCHAO_OFF})
     del x32, y32, xf, y8, ref32
 
     xg = x.clone().requires_grad_()
@@ -209,7 +205,6 @@ def _linear_rows(cfg: BenchConfig, device: torch.device, name: str, m: int, k: i
             mod(xg).backward(dy)
         return run
 
-    timer = {"device": device, "iters": cfg.iters, "warmup": cfg.warmup, "back_to_back": cfg.back_to_back}
     with torch.no_grad():
         fwd_bf16, fwd_fp8 = time_ms(lambda: bf16(x), **timer), time_ms(lambda: fp8(x), **timer)
     fb_bf16, fb_fp8 = time_ms(fwd_bwd(bf16), **timer), time_ms(fwd_bwd(fp8), **timer)
@@ -234,12 +229,11 @@ def _linear_rows(cfg: BenchConfig, device: torch.device, name: str, m: int, k: i
           "check_detail": f"SQNR y/dx/dw {sqnr['y']:.1f}/{sqnr['dx']:.1f}/{sqnr['dw']:.1f} dB",
           "note": f"3 GEMMs alone {gemms_bf16 / gemms_fp8:.2f}x; act quant {act_quant:.3f} ms"}
     set_target(fb, ">=", LINEAR_TARGET, smoke=cfg.smoke)
-    fb["torchao"] = ao_version
-    if ao is not None:
-        fb_ao = time_ms(fwd_bwd(ao), **timer)
-        fb.update(torchao_ms=fb_ao, ratio_torchao_vs_bf16=fb_bf16 / fb_ao, ratio_vs_torchao=fb_ao / fb_fp8,
-                  torchao_sqnr_db=ao_sqnr)
-        fb["note"] += f"; {ao_version} {fb_bf16 / fb_ao:.2f}x bf16 (jet {fb_ao / fb_fp8:.2f}x torchao)"
+    fb.update(ao)
+    if "torchao_ms" in ao:
+        fb_ao = ao["torchao_ms"]
+        fb.update(ratio_torchao_vs_bf16=fb_bf16 / fb_ao, ratio_vs_torchao=fb_ao / fb_fp8)
+        fb["note"] += f"; {ao['torchao']} {fb_bf16 / fb_ao:.2f}x bf16 (jet {fb_ao / fb_fp8:.2f}x torchao)"
     return [fwd, fb]
 
 
