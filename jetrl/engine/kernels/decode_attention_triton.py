@@ -82,9 +82,9 @@ codes Triton moves V into the mma layout one ld.shared.b8 per element; the conve
 therefore pinned (impure inline PTX) before that move, which then uses ldmatrix.trans.
 
 Cost (H200, B = 256, mean context 640, ``jetrl bench --sections d``, rows longest first, 2026-11-30):
-BF16 cache 158 µs (4.3 TB/s of valid K/V); FP8 with fp32 scales 131 µs; FP8 with pow2 scales 92 µs
-(3.8 TB/s, 1.71x the BF16 cache). At B = 64, 3.6K context (sweep, before the row order): 232, 193 and
-135 µs (1.72x). Measured and dropped before this layout (docs/benchmarks.md, section d): fp16 codes
+BF16 cache 158 µs (4.3 TB/s of valid K/V); FP8 with fp32 scales 131 µs; FP8 with pow2 scales 90 µs
+(3.9 TB/s, 1.77x the BF16 cache; run BA, P as one fp16 term; 92 µs with hi + lo). At B = 64, 3.6K context
+(sweep, before the row order and with hi + lo): 232, 193 and 135 µs (1.72x). Measured and dropped before this layout (docs/benchmarks.md, section d): fp16 codes
 with fp32 scales outside the dots, E4M3 tensor-core dots, a transposed V cache, loosened length
 masks.
 
