@@ -15,21 +15,18 @@ GPU only:
     PYTHONPATH=. OUT=$OUT python3 bench/sweep_attention_p_terms.py
 """
 
-import copy
 import json
 import os
 import statistics
 
 import torch
 
-from jetrl import fp8
 from jetrl.bench.timing import graph_time_us
-from jetrl.engine import Engine, SamplingParams
+from jetrl.engine import SamplingParams
 from jetrl.engine.decode_attention import decode_attention_reference, longest_first
 from jetrl.engine.kernels import decode_attention_triton as kernels
 from jetrl.models import CausalLM
-from jetrl.rl.logprobs import batch_trainer_logprobs
-from tests.engine_helpers import LOGPROB_CONFIG, random_prompts
+from tests.engine_helpers import LOGPROB_CONFIG, engine_vs_trainer_gap, random_prompts
 
 DEV = torch.device("cuda")
 
@@ -63,17 +60,9 @@ def kernel_rows() -> list[dict]:
 
 
 def gap(base: CausalLM, name: str, seed: int) -> float:
-    model = fp8.convert_to_float8(copy.deepcopy(base), fp8.get_recipe(name))
     prompts = random_prompts([5, 17, 33, 9], seed=seed, vocab=512)
     params = SamplingParams(n=4, temperature=1.0, max_tokens=48, seed=seed)
-    engine = Engine(model, max_slots=16, max_len=128)
-    engine.generate(prompts, params)
-    out = engine.generate(prompts, params)
-    pairs = [(p, c) for p, group in zip(prompts, out) for c in group]
-    with torch.no_grad():
-        trainer = batch_trainer_logprobs(model, [p for p, _ in pairs], [c.token_ids for _, c in pairs])
-    diff = torch.cat([(torch.tensor(c.logprobs, device=DEV) - t).abs() for (_, c), t in zip(pairs, trainer)])
-    return float(diff.mean())
+    return float(engine_vs_trainer_gap(base, name, prompts, params).mean())
 
 
 def gap_rows() -> list[dict]:

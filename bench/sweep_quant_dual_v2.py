@@ -11,16 +11,18 @@ TB/s against 3.2 for the single-layout pass (docs/benchmarks.md (a)). Candidates
   moves the x^T codes between the load's layout (k contiguous per thread) and the store's (m contiguous)
   through shared memory, a byte at a time;
 * ``trans`` (``CANDIDATES=all``): quantize the rows of ``tl.trans(tile)`` instead of re-reading (slower, run AU);
-* ``gluon`` (run AY: 1.13-1.15x slower than ``reload``): ``reload`` in Gluon, which states the layouts: the transposed read puts
-  16 consecutive m of one k in each thread and consecutive k in consecutive lanes (each load instruction reads
-  64 contiguous bytes of x), so the codes are quantized where they are stored, 16 bytes per thread, and no value
-  crosses threads but the amax reduction. Compiled for sm_90 (8 warps): 2880 SASS instructions against the
-  shipped kernel's 2616, 64 two-byte loads per thread in place of its 64 one-byte shared-memory stores;
-* ``gluon_cvt`` (run AY: 1.17-1.18x slower than ``reload``): the same, but the transposed tile is read 16 bytes at a time along k
-  and its bf16 values are moved into the store's layout by Gluon's layout conversion, which compiles to the
-  hardware's transposing matrix stores and loads (per thread and tile, at 8 warps: 8 ``STSM`` + 8
-  ``LDSM.MT88`` and 16 ``LDG.E.128``, against the shipped kernel's 64 ``STS.U8``; 2720 SASS instructions). Gluon has no interpreter: on CPU ``SASS_ONLY=1`` compiles every
-  candidate for sm_90 and prints its memory instructions instead.
+* ``gluon`` (run AY: 1.13-1.15x slower than ``reload``): ``reload`` in Gluon, which states the layouts: the
+  transposed read puts 16 consecutive m of one k in each thread and consecutive k in consecutive lanes (each
+  load instruction reads 64 contiguous bytes of x), so the codes are quantized where they are stored, 16 bytes
+  per thread, and no value crosses threads but the amax reduction. Compiled for sm_90 (8 warps): 2880 SASS
+  instructions against the shipped kernel's 2616, 64 two-byte loads per thread in place of its 64 one-byte
+  shared-memory stores;
+* ``gluon_cvt`` (run AY: 1.17-1.18x slower than ``reload``): the same, but the transposed tile is read 16 bytes
+  at a time along k and its bf16 values are moved into the store's layout by Gluon's layout conversion, which
+  compiles to the hardware's transposing matrix stores and loads (per thread and tile, at 8 warps: 8 ``STSM`` + 8
+  ``LDSM.MT88`` and 16 ``LDG.E.128``, against the shipped kernel's 64 ``STS.U8``; 2720 SASS instructions).
+  Gluon has no interpreter: on CPU ``SASS_ONLY=1`` compiles every candidate for sm_90 and prints its memory
+  instructions instead.
 
 Every candidate is checked bit for bit against ``quantize_reference`` of x and of x.t() (NaN and pow2 scales
 included) before it is timed under CUDA-graph replay. GPU only, but for ``CHECK_ONLY=1`` (the Triton candidates
@@ -203,17 +205,21 @@ def main() -> None:
                     got = dual_candidate(x, pow2, kind, chunk, warps)
                     row["bit_equal"] = all(torch.equal(bits(g), bits(w)) for g, w in zip(got, want))
                     if dev.type == "cuda" and not pow2 and m >= 1024:
-                        row["us"] = graph_time_us(lambda c=chunk, w=warps, kd=kind: dual_candidate(x, False, kd, c, w),
-                                                  dev, calls=5, replays=10)
+                        def run(x=x, c=chunk, w=warps, kd=kind):
+                            return dual_candidate(x, False, kd, c, w)
+
+                        row["us"] = graph_time_us(run, dev, calls=5, replays=10)
                 except Exception as exc:  # noqa: BLE001 -- a candidate that fails is reported, the sweep goes on
                     row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                 res.append(row)
                 print(row, flush=True)
         if dev.type == "cuda" and m >= 1024:
             nbytes = m * k * 4
+            def two_passes(x=x):
+                return quantize_triton(x, 1, 128, False), quantize_triton(x.t(), 1, 128, False)
+
             res.append({"m": m, "k": k, "pow2": False, "kind": "two passes",
-                        "us": graph_time_us(lambda: (quantize_triton(x, 1, 128, False),
-                                                     quantize_triton(x.t(), 1, 128, False)), dev, calls=5, replays=10)})
+                        "us": graph_time_us(two_passes, dev, calls=5, replays=10)})
             for r in res:
                 if r["m"] == m and r["k"] == k and "us" in r:
                     r["tb_s"] = nbytes / r["us"] / 1e6

@@ -64,3 +64,27 @@ def greedy_by_full_forward(model, prompt, max_tokens, stop_ids=(), max_len=10**9
 # 256-wide (full FP8 blocks), 2 layers: the model of the engine-vs-trainer logprob tests
 LOGPROB_CONFIG = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2)
+
+
+def engine_vs_trainer_gap(base: CausalLM, recipe: str, prompts: list[list[int]], params, prepare=None) -> torch.Tensor:
+    """|engine - trainer| logprob of every sampled token of ``prompts`` under ``recipe``, on a converted copy of
+    ``base``: the engine generates twice (the first call captures its graphs; ``prepare(engine)`` runs between
+    the two), the trainer's forward scores the second call's tokens. Shared by tests/test_engine_graphs.py and
+    bench/sweep_attention_p_terms.py."""
+    import copy
+
+    from jetrl import fp8
+    from jetrl.engine import Engine
+    from jetrl.rl.logprobs import batch_trainer_logprobs
+
+    model = fp8.convert_to_float8(copy.deepcopy(base), fp8.get_recipe(recipe))
+    engine = Engine(model, max_slots=16, max_len=128)
+    engine.generate(prompts, params)
+    if prepare is not None:
+        prepare(engine)
+    out = engine.generate(prompts, params)
+    pairs = [(p, c) for p, group in zip(prompts, out) for c in group]
+    with torch.no_grad():
+        trainer = batch_trainer_logprobs(model, [p for p, _ in pairs], [c.token_ids for _, c in pairs])
+    device = next(model.parameters()).device
+    return torch.cat([(torch.tensor(c.logprobs, device=device) - t).abs() for (_, c), t in zip(pairs, trainer)])

@@ -8,8 +8,6 @@ also measure the engine-vs-trainer logprob gap per recipe on the GPU.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -18,10 +16,17 @@ from jetrl.engine import Engine, SamplingParams
 from jetrl.engine.cuda_graph import DecodeGraphs
 from jetrl.models import CausalLM
 from jetrl.models.fused import use_fused_ops
-from jetrl.rl.logprobs import batch_trainer_logprobs
 
 from .conftest import requires_cuda
-from .engine_helpers import LOGPROB_ATOL, LOGPROB_CONFIG, greedy_by_full_forward, random_prompts, tiny_model
+from .engine_helpers import (
+    LOGPROB_ATOL,
+    LOGPROB_CONFIG,
+    TRAINER_ATOL,
+    engine_vs_trainer_gap,
+    greedy_by_full_forward,
+    random_prompts,
+    tiny_model,
+)
 
 
 # ----------------------------------------------------------------------------- the CUDA-graph path, on CPU
@@ -130,6 +135,17 @@ def test_cuda_graph_decode_matches_eager_and_full_forward(dtype):
         assert graphed.graphs.num_captures == captures
 
 
+@pytest.mark.parametrize("recipe", ["jet", "jet_kv"])
+def test_engine_vs_trainer_gap_helper_is_zero_on_cpu(recipe):
+    """The helper the CUDA test below (and bench/sweep_attention_p_terms.py) measures with: on CPU the emulated
+    FP8 engine and trainer agree to fp32 rounding (tests/test_engine.py's bound), one value per sampled token."""
+    torch.manual_seed(1)
+    base = CausalLM(LOGPROB_CONFIG)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=0)
+    gap = engine_vs_trainer_gap(base, recipe, random_prompts([5, 9], seed=1, vocab=512), params)
+    assert gap.numel() == 2 * 2 * 6 and float(gap.max()) <= TRAINER_ATOL
+
+
 @requires_cuda
 @pytest.mark.parametrize("fused_ops", [False, True])
 def test_cuda_engine_logprobs_match_trainer_per_recipe(capsys, fused_ops):
@@ -176,16 +192,9 @@ def test_cuda_graphs_read_updated_weights_without_recapture(recipe):
 
 
 def _engine_vs_trainer_gap(base: CausalLM, name: str, prompts, params, capsys, fused_ops: bool) -> float:
-    """Mean |engine - trainer| logprob over the sampled tokens of ``prompts`` under recipe ``name``."""
-    model = fp8.convert_to_float8(copy.deepcopy(base), fp8.get_recipe(name))
-    engine = Engine(model, max_slots=16, max_len=128)
-    engine.generate(prompts, params)  # captures the graphs this workload uses
-    _no_sync_windows(engine)
-    out = engine.generate(prompts, params)
-    pairs = [(p, c) for p, group in zip(prompts, out) for c in group]
-    with torch.no_grad():
-        trainer = batch_trainer_logprobs(model, [p for p, _ in pairs], [c.token_ids for _, c in pairs])
-    diff = torch.cat([(torch.tensor(c.logprobs, device="cuda") - t).abs() for (_, c), t in zip(pairs, trainer)])
+    """Mean |engine - trainer| logprob over the sampled tokens of ``prompts`` under recipe ``name`` (decode windows
+    that sync with the host raise)."""
+    diff = engine_vs_trainer_gap(base, name, prompts, params, prepare=_no_sync_windows)
     with capsys.disabled():
         print(f"\n  cuda bf16-weights fused_ops={fused_ops} {name:13s} max {diff.max().item():.2e} "
               f"mean {diff.mean().item():.2e} median {diff.median().item():.2e}", end="")

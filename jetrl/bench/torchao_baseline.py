@@ -38,7 +38,8 @@ def torchao_linear(bf16: nn.Linear) -> tuple[nn.Module | None, str]:
     try:
         return Float8BlockwiseLinear.from_float(bf16), f"torchao {torchao.__version__}"
     except Exception as exc:  # noqa: BLE001
-        return None, f"torchao {torchao.__version__} Float8BlockwiseLinear failed ({type(exc).__name__}: {str(exc)[:120]})"
+        why = f"{type(exc).__name__}: {str(exc)[:120]}"
+        return None, f"torchao {torchao.__version__} Float8BlockwiseLinear failed ({why})"
 
 
 def torchao_fields(bf16: nn.Linear, x: torch.Tensor, dy: torch.Tensor, ref: dict[str, torch.Tensor],

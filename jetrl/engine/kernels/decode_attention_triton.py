@@ -84,9 +84,9 @@ therefore pinned (impure inline PTX) before that move, which then uses ldmatrix.
 Cost (H200, B = 256, mean context 640, ``jetrl bench --sections d``, rows longest first, 2026-11-30):
 BF16 cache 158 µs (4.3 TB/s of valid K/V); FP8 with fp32 scales 131 µs; FP8 with pow2 scales 90 µs
 (3.9 TB/s, 1.77x the BF16 cache; run BA, P as one fp16 term; 92 µs with hi + lo). At B = 64, 3.6K context
-(sweep, before the row order and with hi + lo): 232, 193 and 135 µs (1.72x). Measured and dropped before this layout (docs/benchmarks.md, section d): fp16 codes
-with fp32 scales outside the dots, E4M3 tensor-core dots, a transposed V cache, loosened length
-masks.
+(sweep, before the row order and with hi + lo): 232, 193 and 135 µs (1.72x). Measured and dropped before
+this layout (docs/benchmarks.md, section d): fp16 codes with fp32 scales outside the dots, E4M3
+tensor-core dots, a transposed V cache, loosened length masks.
 
 Interpreter (TRITON_INTERPRET=1, the CPU tests): its tl.dot multiplies the raw uint16 storage of
 bf16 operands and its fp32 -> bf16 cast truncates, so with EMULATE the dots are taken in IEEE

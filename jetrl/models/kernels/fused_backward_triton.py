@@ -109,7 +109,7 @@ def rms_norm_backward_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, 
     assert grad.shape == x.shape and grad.dtype == y_dtype, (grad.shape, grad.dtype, x.shape, y_dtype)
     assert cols <= RMS_NORM_BACKWARD_MAX_COLS, cols
     if residual_grad is not None:
-        assert residual_grad.shape == x.shape and residual_grad.dtype == x.dtype, (residual_grad.shape, residual_grad.dtype)
+        assert residual_grad.shape == x.shape and residual_grad.dtype == x.dtype, (residual_grad.shape, x.shape)
     x3, g3 = row_grid(x), row_grid(grad)  # (outer, inner, C) each
     r3 = g3 if residual_grad is None else row_grid(residual_grad)
     inner, num_rows = x3.shape[1], x3.shape[0] * x3.shape[1]
