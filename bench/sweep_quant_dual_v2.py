@@ -22,7 +22,16 @@ TB/s against 3.2 for the single-layout pass (docs/benchmarks.md (a)). Candidates
   compiles to the hardware's transposing matrix stores and loads (per thread and tile, at 8 warps: 8 ``STSM`` + 8
   ``LDSM.MT88`` and 16 ``LDG.E.128``, against the shipped kernel's 64 ``STS.U8``; 2720 SASS instructions).
   Gluon has no interpreter: on CPU ``SASS_ONLY=1`` compiles every candidate for sm_90 and prints its memory
-  instructions instead.
+  instructions instead;
+* ``packed`` / ``gluon_packed`` (the default list, run BH: 1.25-2x *slower* than ``reload``): x read once, as
+  four (32, 128) tensors of rows 4i + j, both layouts quantized from the same registers, and the x^T codes of
+  rows 4i..4i+3 packed into one 32-bit word, so what crosses layouts (Triton) or threads (Gluon, whose layout
+  keeps the 32 quads in the 32 lanes: no layout change at all) is words, not bytes. Suffixes ``_nc`` / ``_nn``:
+  ``_codes``'s modes below;
+* ``reload_c`` / ``reload_nc`` / ``reload_nn`` (``CANDIDATES=clamp``, run BI): ``reload`` with the clamp before
+  the cast (c), without it (nc: the hardware cast saturates), and without the clamp and the NaN select (nn: a
+  NaN scale makes NaN products, which the cast writes as 0x7F): 85.8 / 78.9 / 67.8 µs at 9216 x 4096, all bit
+  for bit. The kernel is bound by instruction issue: ``quantize_dual_triton`` now takes the bare cast (nn).
 
 Every candidate is checked bit for bit against ``quantize_reference`` of x and of x.t() (NaN and pow2 scales
 included) before it is timed under CUDA-graph replay. GPU only, but for ``CHECK_ONLY=1`` (the Triton candidates
@@ -30,9 +39,9 @@ under TRITON_INTERPRET=1) and ``SASS_ONLY=1``:
 
     PYTHONPATH=. OUT=$OUT python3 bench/sweep_quant_dual_v2.py
 
-Result (runs AU, AV and AY, docs/benchmarks.md (a)): ``reload`` with 128-wide chunks and 8 warps, 1.14-1.18x the
-kernel before it and 0.97-0.99x the two passes, is now ``quantize_dual_triton`` itself; neither Gluon candidate beat
-it at any chunk or warp count.
+Result (runs AU, AV, AY, BH and BI, docs/benchmarks.md (a)): ``reload`` with 128-wide chunks and 8 warps, 1.14-1.18x
+the kernel before it and 0.97-0.99x the two passes, is ``quantize_dual_triton`` itself (with the bare cast since run
+BI: 1.25x faster again); no Gluon or packed candidate beat it at any chunk or warp count.
 """
 
 import collections
@@ -46,6 +55,7 @@ import triton
 import triton.language as tl
 
 from jetrl.bench.timing import graph_time_us
+from jetrl.fp8.kernels import quant_triton as qt
 from jetrl.fp8.kernels.quant_triton import explicit_round, quantize_dual_triton, quantize_rows, quantize_triton
 from jetrl.fp8.quant import E4M3, quantize_reference
 
@@ -65,6 +75,138 @@ def _dual_trans(x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr, M, K, s
     code_t, scale_t = quantize_rows(tl.trans(x).to(tl.float32), POW2, EXPLICIT_ROUND)
     tl.store(codes_t_ptr + cols[:, None] * M + rows[None, :], code_t, mask=col_ok[:, None] & row_ok[None, :])
     tl.store(scales_t_ptr + cols * num_m_groups + pid_m, scale_t, mask=col_ok)
+
+
+@triton.jit
+def _abs_or_inf(x):
+    return tl.where(x == x, tl.abs(x), float("inf"))  # _amax's operand: +inf for NaN/Inf (tl.max drops NaN)
+
+
+@triton.jit
+def _codes(y, is_nan, EXPLICIT_ROUND: tl.constexpr, CLAMP: tl.constexpr):
+    """``_code_bits`` (CLAMP 2), or on the GPU without its clamp to +-448 (1), or without the clamp and the NaN select
+    (0). The GPU's fp32 -> E4M3 cast is ``cvt.rn.satfinite``: it saturates to +-448 itself, and a group holding
+    NaN/Inf has a NaN scale, hence a NaN reciprocal and NaN products, which it casts to NaN codes -- the same bits
+    if those are the canonical 0x7F (the sweep checks, NaN included)."""
+    if CLAMP == 2 or EXPLICIT_ROUND:
+        bits = qt._code_bits(y, is_nan, EXPLICIT_ROUND, False)
+    elif CLAMP == 1:
+        bits = tl.where(is_nan, 0x7F, y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)).to(tl.uint8)
+    else:
+        bits = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return bits
+
+
+@triton.jit
+def _rows_clamp(x, POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr, CLAMP: tl.constexpr):
+    """``quantize_rows`` with ``_codes``'s CLAMP modes."""
+    amax = tl.max(_abs_or_inf(x), axis=1)
+    scale, reciprocal = qt._scale_and_reciprocal(amax, amax == float("inf"), POW2)
+    return _codes(x * reciprocal[:, None], (scale != scale)[:, None], EXPLICIT_ROUND, CLAMP), scale
+
+
+@triton.jit
+def _dual_reload_variant(x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr, M, K, stride_xm, stride_xk,
+                         num_k_groups, num_m_groups, POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
+                         CLAMP: tl.constexpr):
+    # the shipped ``_quantize_dual_kernel`` at CHUNK 128, its row function with a CLAMP mode
+    pid_k, pid_m = tl.program_id(0), tl.program_id(1)
+    rows = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
+    cols = pid_k.to(tl.int64) * 128 + tl.arange(0, 128)
+    row_ok, col_ok = rows < M, cols < K
+    mask = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+    code_bits, scale = _rows_clamp(x.to(tl.float32), POW2, EXPLICIT_ROUND, CLAMP)
+    tl.store(codes_ptr + rows[:, None] * K + cols[None, :], code_bits, mask=mask)
+    tl.store(scales_ptr + rows * num_k_groups + pid_k, scale, mask=row_ok)
+    mask_t = col_ok[:, None] & row_ok[None, :]
+    xt = tl.load(x_ptr + rows[None, :] * stride_xm + cols[:, None] * stride_xk, mask=mask_t, other=0.0)
+    code_bits_t, scale_t = _rows_clamp(xt.to(tl.float32), POW2, EXPLICIT_ROUND, CLAMP)
+    tl.store(codes_t_ptr + cols[:, None] * M + rows[None, :], code_bits_t, mask=mask_t)
+    tl.store(scales_t_ptr + cols * num_m_groups + pid_m, scale_t, mask=col_ok)
+
+
+@triton.jit
+def _quad_rows(x_ptr, quad, j: tl.constexpr, cols, M, K, stride_xm, stride_xk):
+    rows = quad * 4 + j
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    return tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _quad_row_codes(codes_ptr, scales_ptr, x, a, quad, j: tl.constexpr, cols, pid_k, M, K, num_k_groups,
+                    POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr, CLAMP: tl.constexpr):
+    rows = quad * 4 + j
+    amax = tl.max(a, axis=1)
+    scale, reciprocal = qt._scale_and_reciprocal(amax, amax == float("inf"), POW2)
+    code_bits = _codes(x * reciprocal[:, None], (scale != scale)[:, None], EXPLICIT_ROUND, CLAMP)
+    tl.store(codes_ptr + rows[:, None] * K + cols[None, :], code_bits, mask=(rows < M)[:, None] & (cols < K)[None, :])
+    tl.store(scales_ptr + rows * num_k_groups + pid_k, scale, mask=rows < M)
+
+
+@triton.jit
+def _quad_col_codes(x, reciprocal, scale, EXPLICIT_ROUND: tl.constexpr, CLAMP: tl.constexpr):
+    return _codes(x * reciprocal[None, :], (scale != scale)[None, :], EXPLICIT_ROUND, CLAMP).to(tl.uint32)
+
+
+@triton.jit
+def _packed_tile(x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr, quad, cols, pid_k, pid_m, M, K, stride_xm,
+                 stride_xk, num_k_groups, num_m_groups, POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
+                 CLAMP: tl.constexpr):
+    # One (128 m, 128 k) tile as four (32, 128) tensors x_j = rows 4i + j (quad = i, in the caller's layout): x is
+    # read once, both layouts are quantized from the same registers, and the x^T codes of rows 4i..4i+3 are packed
+    # into one 32-bit word (little-endian: row 4i in the low byte), so what crosses layouts is words, not bytes.
+    x0 = _quad_rows(x_ptr, quad, 0, cols, M, K, stride_xm, stride_xk)
+    x1 = _quad_rows(x_ptr, quad, 1, cols, M, K, stride_xm, stride_xk)
+    x2 = _quad_rows(x_ptr, quad, 2, cols, M, K, stride_xm, stride_xk)
+    x3 = _quad_rows(x_ptr, quad, 3, cols, M, K, stride_xm, stride_xk)
+    a0, a1, a2, a3 = _abs_or_inf(x0), _abs_or_inf(x1), _abs_or_inf(x2), _abs_or_inf(x3)
+    _quad_row_codes(codes_ptr, scales_ptr, x0, a0, quad, 0, cols, pid_k, M, K, num_k_groups, POW2, EXPLICIT_ROUND, CLAMP)
+    _quad_row_codes(codes_ptr, scales_ptr, x1, a1, quad, 1, cols, pid_k, M, K, num_k_groups, POW2, EXPLICIT_ROUND, CLAMP)
+    _quad_row_codes(codes_ptr, scales_ptr, x2, a2, quad, 2, cols, pid_k, M, K, num_k_groups, POW2, EXPLICIT_ROUND, CLAMP)
+    _quad_row_codes(codes_ptr, scales_ptr, x3, a3, quad, 3, cols, pid_k, M, K, num_k_groups, POW2, EXPLICIT_ROUND, CLAMP)
+    amax_t = tl.max(tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3)), axis=0)
+    scale_t, reciprocal_t = qt._scale_and_reciprocal(amax_t, amax_t == float("inf"), POW2)
+    word = (_quad_col_codes(x0, reciprocal_t, scale_t, EXPLICIT_ROUND, CLAMP)
+            | (_quad_col_codes(x1, reciprocal_t, scale_t, EXPLICIT_ROUND, CLAMP) << 8)
+            | (_quad_col_codes(x2, reciprocal_t, scale_t, EXPLICIT_ROUND, CLAMP) << 16)
+            | (_quad_col_codes(x3, reciprocal_t, scale_t, EXPLICIT_ROUND, CLAMP) << 24))
+    tl.store(codes_t_ptr + cols[None, :] * (M // 4) + quad[:, None], word.to(tl.int32, bitcast=True),
+             mask=(quad * 4 < M)[:, None] & (cols < K)[None, :])
+    tl.store(scales_t_ptr + cols * num_m_groups + pid_m, scale_t, mask=cols < K)
+
+
+@triton.jit
+def _dual_packed(x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr, M, K, stride_xm, stride_xk,
+                 num_k_groups, num_m_groups, POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr, CLAMP: tl.constexpr):
+    # Needs M % 4 == 0; Triton picks the layouts.
+    pid_k, pid_m = tl.program_id(0), tl.program_id(1)
+    quad = pid_m.to(tl.int64) * 32 + tl.arange(0, 32)
+    cols = pid_k.to(tl.int64) * 128 + tl.arange(0, 128)
+    _packed_tile(x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr, quad, cols, pid_k, pid_m, M, K, stride_xm,
+                 stride_xk, num_k_groups, num_m_groups, POW2, EXPLICIT_ROUND, CLAMP)
+
+
+@functools.cache
+def _gluon_packed_kernel():
+    """``packed`` in Gluon, whose layout keeps the 32 quads of a tile in the 32 lanes of every warp (warps and
+    registers along k, 8 consecutive k per thread: 16-byte loads): the packed x^T words are then stored where
+    they are computed, each warp writing 128 contiguous bytes per k, and no value crosses threads but the amaxes."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    @gluon.jit
+    def _dual_gluon_packed(x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr, M, K, stride_xm, num_k_groups,
+                           num_m_groups, POW2: gl.constexpr, EXPLICIT_ROUND: gl.constexpr, VEC: gl.constexpr,
+                           CLAMP: gl.constexpr, num_warps: gl.constexpr):
+        pid_k, pid_m = gl.program_id(0), gl.program_id(1)
+        lay: gl.constexpr = gl.BlockedLayout([1, VEC], [32, 1], [1, num_warps], [1, 0])
+        quad = pid_m.to(gl.int64) * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, lay))
+        cols = pid_k.to(gl.int64) * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, lay))
+        _packed_tile(x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr, quad, cols, pid_k, pid_m, M, K,
+                     stride_xm, 1, num_k_groups, num_m_groups, POW2, EXPLICIT_ROUND, CLAMP)
+
+    return _dual_gluon_packed
 
 
 @functools.cache
@@ -133,7 +275,21 @@ def dual_candidate(x, pow2, kind, chunk, warps):
     assert x.stride(1) == 1, "the candidates read x with unit column stride"
     outs = _outputs(x)
     gm, gk = triton.cdiv(x.shape[0], 128), triton.cdiv(x.shape[1], 128)
-    if kind == "trans":
+    if kind.startswith("reload_"):
+        _dual_reload_variant[(gk, gm)](*_launch_args(x, outs), 1, gk, gm, POW2=pow2, EXPLICIT_ROUND=explicit_round(),
+                                       CLAMP=CLAMPS[kind.split("_")[-1]], num_warps=warps)
+    elif kind.startswith("packed"):
+        assert x.shape[0] % 4 == 0, "packed needs M % 4 == 0"
+        _dual_packed[(gk, gm)](x, outs[0].view(torch.uint8), outs[1], outs[2].view(torch.uint8).view(torch.int32),
+                               outs[3], x.shape[0], x.shape[1], x.stride(0), 1, gk, gm, POW2=pow2,
+                               EXPLICIT_ROUND=explicit_round(), CLAMP=CLAMPS[kind.split("_")[-1]], num_warps=warps)
+    elif kind.startswith("gluon_packed"):
+        assert x.shape[0] % 4 == 0, "packed needs M % 4 == 0"
+        _gluon_packed_kernel()[(gk, gm)](x, outs[0].view(torch.uint8), outs[1],
+                                         outs[2].view(torch.uint8).view(torch.int32), outs[3], x.shape[0], x.shape[1],
+                                         x.stride(0), gk, gm, POW2=pow2, EXPLICIT_ROUND=False, VEC=chunk,
+                                         CLAMP=CLAMPS[kind.split("_")[-1]], num_warps=warps)
+    elif kind == "trans":
         _dual_trans[(gk, gm)](*_launch_args(x, outs), 1, gk, gm, POW2=pow2, EXPLICIT_ROUND=explicit_round(),
                               num_warps=warps)
     else:
@@ -148,10 +304,15 @@ def bits(t):
 
 # run AU also timed ``trans`` at 4 / 8 / 16 warps and ``reload`` at 32 / 4-8 and 64 / 4: all slower than ``reload``
 # 64 / 8; run AV ``reload`` at 64 and 128 with 8 and 16 warps (docs/benchmarks.md (a)). CANDIDATES=all times them all.
-CANDIDATES = [("reload", 128, 8)] + [(g, c, w) for g in ("gluon", "gluon_cvt") for c in (32, 64, 128) for w in (4, 8)]
+CLAMPS = {"packed": 2, "c": 2, "nc": 1, "nn": 0}  # a packed / reload_ candidate's name ends in its _codes mode
+PACKED = ([(p, 0, w) for p in ("packed", "packed_nc", "packed_nn") for w in (4, 8, 16)]
+          + [(g, 8, w) for g in ("gluon_packed", "gluon_packed_nc", "gluon_packed_nn") for w in (4, 8, 16)])
+CANDIDATES = [("reload", 128, 8)] + PACKED
+if os.environ.get("CANDIDATES") == "clamp":  # run BI: the shipped kernel without the clamp before the cast
+    CANDIDATES = [("reload", 128, 8), ("reload_c", 128, 8), ("reload_nc", 128, 8), ("reload_nn", 128, 8)]
 if os.environ.get("CANDIDATES") == "all":
     CANDIDATES = ([("trans", 128, w) for w in (4, 8, 16)] + [("reload", c, w) for c in (32, 64, 128) for w in (4, 8, 16)]
-                  + [(g, c, w) for g in ("gluon", "gluon_cvt") for c in (32, 64, 128) for w in (4, 8, 16)])
+                  + [(g, c, w) for g in ("gluon", "gluon_cvt") for c in (32, 64, 128) for w in (4, 8, 16)] + PACKED)
 
 
 def sass_mix() -> None:
@@ -166,7 +327,15 @@ def sass_mix() -> None:
     from jetrl.fp8.kernels import quant_triton
 
     for kind, chunk, warps in CANDIDATES:
-        if kind.startswith("gluon"):
+        if kind.startswith("gluon_packed"):
+            fn = _gluon_packed_kernel()
+            consts = {"POW2": False, "EXPLICIT_ROUND": False, "VEC": chunk, "CLAMP": CLAMPS[kind.split("_")[-1]],
+                      "num_warps": warps}
+            args = {**ptrs, **dims, "codes_t_ptr": torch.empty(1, dtype=torch.int32)}
+        elif kind.startswith("packed"):
+            fn, consts = _dual_packed, {"POW2": False, "EXPLICIT_ROUND": False, "CLAMP": CLAMPS[kind.split("_")[-1]]}
+            args = {**ptrs, **dims, "stride_xk": 1, "codes_t_ptr": torch.empty(1, dtype=torch.int32)}
+        elif kind.startswith("gluon"):
             fn = _gluon_kernel()
             consts = {"POW2": False, "EXPLICIT_ROUND": False, "CHUNK": chunk, "CONVERT": kind == "gluon_cvt",
                       "num_warps": warps}
@@ -189,7 +358,7 @@ def main() -> None:
         return
     dev = torch.device("cpu" if os.environ.get("CHECK_ONLY") else "cuda")
     # partial tiles (200 x 300) are checked, not timed
-    shapes = [(256, 384)] if dev.type == "cpu" else [(200, 300), (9216, 4096), (9216, 6144), (9216, 12288), (9216, 24576)]
+    shapes = [(256, 384), (196, 200)] if dev.type == "cpu" else [(200, 300), (9216, 4096), (9216, 6144), (9216, 12288), (9216, 24576)]
     res = []
     for m, k in shapes:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16) * torch.logspace(-3, 3, k, device=dev).to(

@@ -265,3 +265,23 @@ def test_fp8_rollout_trains_in_bf16_and_rolls_out_in_fp8():
         with precision_phase("rollout"):
             y_rollout = fp8(x)
     assert not torch.equal(y_rollout, ref(x).detach()) and sqnr_db(y_rollout, ref(x).detach()) > MIN_SQNR_DB
+
+
+def test_quantized_input_holds_no_autograd_graph():
+    """The FP8 codes of an activation carry no ``grad_fn``: linear.py memoizes the last one for sibling layers,
+    and a graph hanging off it kept every Float8Linear's weight cache alive after its model was converted back
+    (the bench's (g) ran out of memory on its last recipe)."""
+    import gc
+    import weakref
+
+    from jetrl.fp8 import linear as linear_module
+
+    fp8 = Float8Linear.from_float(nn.Linear(256, 256, bias=False), get_recipe("jet"), name="proj")
+    x = torch.randn(8, 256, requires_grad=True)
+    (fp8(x * 2) ** 2).sum().backward()
+    held = linear_module._last_input._value
+    assert held is not None and all(q.codes.grad_fn is None and q.scales.grad_fn is None for q in held)
+    cache = weakref.ref(fp8.weight_cache)
+    del fp8, held
+    gc.collect()
+    assert cache() is None, "a Float8Linear's weight cache outlived the module"

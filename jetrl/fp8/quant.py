@@ -45,6 +45,12 @@ the canonical NaN 0x7F, so the non-finite value *propagates* through dequantizat
 reads it, never saturating silently into +-448. Callers that must stop at once pass
 ``check_finite=True`` (the weight cache always does) and get a :class:`NonFiniteError`
 naming the tensor; the trainer acts on a non-finite loss or gradient for activations.
+
+Autograd: codes and scales are not differentiable, so the quantizer reads ``x.detach()``. Without it,
+the reference path's codes (CPU) carried x's ``grad_fn``, and the last activation quantized, which
+linear.py memoizes for sibling layers, kept its whole forward graph alive -- with each Float8Linear's
+weight cache in its autograd context -- after the model had been converted back (the bench's (g)
+runs recipes one after another on one model).
 """
 
 from __future__ import annotations
@@ -160,6 +166,7 @@ def quantize(
     scales keep their own layout) and return ``out`` itself -- the weight cache refreshes in place so.
     """
     _validate(x, block, name)
+    x = x.detach()  # codes are not differentiable: no autograd graph may hang off them (module docstring)
     impl = _implementation(x.device, tuple(block))
     if out is None:
         codes, scales = impl(x, block[0], block[1], pow2_scale, col_major_scales=col_major_scales)
@@ -193,6 +200,7 @@ def quantize_with_transpose(
     Recorders see ``name`` and ``name + "_t"``.
     """
     _validate(x, (1, BLOCK), name)
+    x = x.detach()  # as in quantize()
     if quant_backend(x.device) == "triton":
         from jetrl.fp8.kernels.quant_triton import quantize_dual_triton
 

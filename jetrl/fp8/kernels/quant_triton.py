@@ -28,10 +28,11 @@ bit-identical to it:
     r    = div_rn(1, s)
     q    = e4m3_rne(clamp(x * r, -448, 448))   0x7F (NaN) for a group holding NaN/Inf
 
-Under ``TRITON_INTERPRET=1`` on CPU the final rounding to E4M3 is done explicitly
-(``_round_to_e4m3``), because the interpreter's own fp32 -> e4m3 cast mishandles carries into
-the next binade; on the GPU the hardware's RNE cast of the clamped value gives the same codes
-(checked bit for bit by ``jetrl bench``; ``JETRL_QUANT_EXPLICIT_ROUND=1`` forces the software path).
+Under ``TRITON_INTERPRET=1`` on CPU the clamp, the final rounding to E4M3 (``_round_to_e4m3``) and the
+NaN code are done explicitly, because the interpreter's own fp32 -> e4m3 cast mishandles carries into
+the next binade; on the GPU the hardware's saturating RNE cast gives the same codes, and in the two quantize
+kernels does the clamp and the NaN code itself (``_code_bits``: checked bit for bit by ``jetrl bench``;
+``JETRL_QUANT_EXPLICIT_ROUND=1`` forces the software path).
 
 Grids put the column tiles on the fastest program axis, so consecutive programs read
 consecutive memory.
@@ -89,18 +90,28 @@ def _scale_and_reciprocal(amax, nonfinite, POW2: tl.constexpr):
 
 
 @triton.jit
-def _code_bits(y, is_nan, EXPLICIT_ROUND: tl.constexpr):
-    """uint8 E4M3 codes of y = x * r: clamp, RNE, and the canonical NaN 0x7F where ``is_nan``.
+def _code_bits(y, is_nan, EXPLICIT_ROUND: tl.constexpr, BARE_CAST: tl.constexpr):
+    """uint8 E4M3 codes of y = x * r: clamp, RNE, and the canonical NaN 0x7F where ``is_nan`` (a NaN scale).
 
-    EXPLICIT_ROUND rounds in fp32/int32 ops first (the interpreter's own cast mishandles
-    binade carries); on the GPU the hardware cast (cvt.rn.satfinite, RNE) gives the same
-    codes on the clamped values, which the bench checks bit for bit.
+    EXPLICIT_ROUND rounds in fp32/int32 ops first (the interpreter's own cast mishandles binade carries); on the
+    GPU the hardware cast (``cvt.rn.satfinite``, RNE) gives the same codes on the clamped values, which the bench
+    checks bit for bit. BARE_CAST (GPU only) leaves the clamp and the NaN select to that cast: it saturates to
+    +-448 itself, and where ``is_nan`` the reciprocal is NaN, so y is NaN there (and only there), which it writes
+    as 0x7F. That took 20% off the dual-layout pass, which is bound by instruction issue (run BI, docs/benchmarks.md
+    (a)). Only the two quantize kernels below take it: in the kernels that decode their own codes or quantize in
+    an epilogue (the K/V fake quantization, the producers' epilogues, the decode attention's) the bare cast gave
+    codes that differ from the reference on the H200 (run BJ), a cause not found yet.
     """
-    y = tl.minimum(tl.maximum(y, -E4M3_MAX_C), E4M3_MAX_C)
     if EXPLICIT_ROUND:
-        y = _round_to_e4m3(y)  # exact E4M3 values: the cast below does no rounding of its own
-    # NaN codes are written as the canonical 0x7F, independent of how the backend casts NaN.
-    return tl.where(is_nan, 0x7F, y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)).to(tl.uint8)
+        y = _round_to_e4m3(tl.minimum(tl.maximum(y, -E4M3_MAX_C), E4M3_MAX_C))  # exact E4M3 values: no rounding left
+    elif not BARE_CAST:
+        y = tl.minimum(tl.maximum(y, -E4M3_MAX_C), E4M3_MAX_C)
+    if BARE_CAST and not EXPLICIT_ROUND:
+        bits = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        # NaN codes are written as the canonical 0x7F, independent of how the backend casts NaN.
+        bits = tl.where(is_nan, 0x7F, y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)).to(tl.uint8)
+    return bits
 
 
 @triton.jit
@@ -111,13 +122,19 @@ def _amax(x, axis: tl.constexpr):
 
 @triton.jit
 def quantize_rows(x, POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr):
+    """``_quantize_rows`` without the bare cast: the row function every fused kernel shares (module docstring)."""
+    return _quantize_rows(x, POW2, EXPLICIT_ROUND, False)
+
+
+@triton.jit
+def _quantize_rows(x, POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr, BARE_CAST: tl.constexpr):
     """(uint8 codes, scales) of a (rows, group) fp32 tile with one group per row: the 1xG quantizer's
     arithmetic, shared by every kernel that writes 1xG codes (the quantize and dual-layout kernels, the K/V-cache
     store in kv_store_triton.py, the producers' epilogues) -- one definition, so their codes and scales are the
     same bits. Layout-free (no tl.full), so Gluon kernels can call it too."""
     amax = _amax(x, 1)
     scale, reciprocal = _scale_and_reciprocal(amax, amax == float("inf"), POW2)
-    return _code_bits(x * reciprocal[:, None], (scale != scale)[:, None], EXPLICIT_ROUND), scale
+    return _code_bits(x * reciprocal[:, None], (scale != scale)[:, None], EXPLICIT_ROUND, BARE_CAST), scale
 
 
 @triton.jit
@@ -133,11 +150,11 @@ def _quantize_kernel(
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
     if GROUP_ROWS == 1:
-        code_bits, scale = quantize_rows(x, POW2, EXPLICIT_ROUND)  # (TILE_R, GROUP_COLS), (TILE_R,)
+        code_bits, scale = _quantize_rows(x, POW2, EXPLICIT_ROUND, True)  # (TILE_R, GROUP_COLS), (TILE_R,)
     else:
         amax = tl.max(_amax(x, 1), axis=0)  # scalar: one 128x128 block
         scale, reciprocal = _scale_and_reciprocal(amax, amax == float("inf"), POW2)
-        code_bits = _code_bits(x * reciprocal, scale != scale, EXPLICIT_ROUND)
+        code_bits = _code_bits(x * reciprocal, scale != scale, EXPLICIT_ROUND, True)
     tl.store(codes_ptr + rows[:, None] * C + cols[None, :], code_bits, mask=mask)
     if GROUP_ROWS == 1:
         tl.store(scales_ptr + rows * stride_sr + pid_c * stride_sc, scale, mask=rows < R)
@@ -251,14 +268,14 @@ def _quantize_dual_kernel(
     row_ok, col_ok = rows < M, cols < K
     mask = row_ok[:, None] & col_ok[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
-    code_bits, scale = quantize_rows(x.to(tl.float32), POW2, EXPLICIT_ROUND)
+    code_bits, scale = _quantize_rows(x.to(tl.float32), POW2, EXPLICIT_ROUND, True)
     tl.store(codes_ptr + rows[:, None] * K + cols[None, :], code_bits, mask=mask)
     tl.store(scales_ptr + rows * num_k_groups + pid_k, scale, mask=row_ok)
     for c in range(128 // CHUNK):
         kc = pid_k.to(tl.int64) * 128 + c * CHUNK + tl.arange(0, CHUNK)
         mask_t = (kc < K)[:, None] & row_ok[None, :]
         xt = tl.load(x_ptr + rows[None, :] * stride_xm + kc[:, None] * stride_xk, mask=mask_t, other=0.0)
-        code_bits_t, scale_t = quantize_rows(xt.to(tl.float32), POW2, EXPLICIT_ROUND)
+        code_bits_t, scale_t = _quantize_rows(xt.to(tl.float32), POW2, EXPLICIT_ROUND, True)
         tl.store(codes_t_ptr + kc[:, None] * M + rows[None, :], code_bits_t, mask=mask_t)
         tl.store(scales_t_ptr + kc * num_m_groups + pid_m, scale_t, mask=kc < K)
 
@@ -269,10 +286,10 @@ def quantize_dual_triton(
     """Same result as ``(*quantize_reference(x, 1, 128, p), *quantize_reference(x.t(), 1, 128, p))``.
 
     ``chunk`` / ``num_warps``: the best of bench/sweep_quant_dual_v2.py on the H200 at the trainer's shapes. On
-    the GPU alone (CUDA graphs) it runs at 0.97-0.99x the two single-layout passes it replaces, and 1.14-1.18x the
-    kernel before it (which moved the x^T codes between layouts byte by byte through shared memory); one launch
-    instead of two is what pays in eager training, where the host is the bottleneck at small shapes --
-    docs/benchmarks.md, section (a).
+    the GPU alone (CUDA graphs) it runs at 2.23 TB/s, ~1.08x the two single-layout passes it replaces (3.78 and 2.64
+    TB/s, run BK), 1.25x what it did with the clamp and NaN select before the cast (run BI) and ~1.4x the kernel
+    before it (which moved the x^T codes between layouts byte by byte through shared memory); one launch instead of
+    two also pays in eager training, where the host is the bottleneck at small shapes -- docs/benchmarks.md (a).
 
     Returns (codes (M, K), scales (M, K/128), codes_t (K, M), scales_t (K, M/128)), row-major.
     """
