@@ -98,9 +98,10 @@ def _code_bits(y, is_nan, EXPLICIT_ROUND: tl.constexpr, BARE_CAST: tl.constexpr)
     checks bit for bit. BARE_CAST (GPU only) leaves the clamp and the NaN select to that cast: it saturates to
     +-448 itself, and where ``is_nan`` the reciprocal is NaN, so y is NaN there (and only there), which it writes
     as 0x7F. That took 20% off the dual-layout pass, which is bound by instruction issue (run BI, docs/benchmarks.md
-    (a)). Only the two quantize kernels below take it: in the kernels that decode their own codes or quantize in
-    an epilogue (the K/V fake quantization, the producers' epilogues, the decode attention's) the bare cast gave
-    codes that differ from the reference on the H200 (run BJ), a cause not found yet.
+    (a)). Only the two quantize kernels below take it, whose codes go straight to memory: where codes are used
+    again in registers, Triton 3.6 miscompiles the bare cast's packed result -- a kernel that decodes its own codes
+    stores them right but decodes half of them wrong (bench/probe_bare_cast.py, run BM), and the K/V fake
+    quantization and the producers' epilogues failed their GPU tests with it (run BJ).
     """
     if EXPLICIT_ROUND:
         y = _round_to_e4m3(tl.minimum(tl.maximum(y, -E4M3_MAX_C), E4M3_MAX_C))  # exact E4M3 values: no rounding left
