@@ -41,7 +41,8 @@ under TRITON_INTERPRET=1) and ``SASS_ONLY=1``:
 
 Result (runs AU, AV, AY, BH and BI, docs/benchmarks.md (a)): ``reload`` with 128-wide chunks and 8 warps, 1.14-1.18x
 the kernel before it and 0.97-0.99x the two passes, is ``quantize_dual_triton`` itself (with the bare cast since run
-BI: 1.25x faster again); no Gluon or packed candidate beat it at any chunk or warp count.
+BI: 1.25x faster again; run BN: still the best launch grid with it); no Gluon or packed candidate beat it at any chunk
+or warp count.
 """
 
 import collections
@@ -310,6 +311,8 @@ PACKED = ([(p, 0, w) for p in ("packed", "packed_nc", "packed_nn") for w in (4, 
 CANDIDATES = [("reload", 128, 8)] + PACKED
 if os.environ.get("CANDIDATES") == "clamp":  # run BI: the shipped kernel without the clamp before the cast
     CANDIDATES = [("reload", 128, 8), ("reload_c", 128, 8), ("reload_nc", 128, 8), ("reload_nn", 128, 8)]
+if os.environ.get("CANDIDATES") == "reload":  # run BN: the shipped kernel's launch grid again, with the bare cast
+    CANDIDATES = [("reload", c, w) for c in (32, 64, 128) for w in (4, 8, 16)]
 if os.environ.get("CANDIDATES") == "all":
     CANDIDATES = ([("trans", 128, w) for w in (4, 8, 16)] + [("reload", c, w) for c in (32, 64, 128) for w in (4, 8, 16)]
                   + [(g, c, w) for g in ("gluon", "gluon_cvt") for c in (32, 64, 128) for w in (4, 8, 16)] + PACKED)
