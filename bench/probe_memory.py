@@ -1,10 +1,11 @@
 """Device memory each of (g)'s configurations leaves behind, on one model (a question for the H200).
 
-Run BI's (g) ran ``bf16`` again after ``jet`` / ``jet_kv`` (the drift check of jetrl/bench/training.py) and that
-run ran out of memory in its update: ~9 GiB more was allocated than in the first ``bf16`` run. Here each
-configuration runs one RL step on the same model, as in (g); after its trainer is freed, and again after the model
-is converted back to plain BF16, the script prints what is still allocated, how much of it Python can still reach
-(CUDA tensors found by the garbage collector), and the largest of those by dtype and shape.
+Run BI's (g) ran ``bf16`` again after ``jet`` / ``jet_kv`` (a drift check, not kept) and that run ran out of memory
+in its update: ~6.5 GiB more was allocated than in the first ``bf16`` run's peak. Here (g)'s configurations, then
+``bf16`` again, each run one RL step on the same model, as in (g); after each trainer is freed, and again after the
+model is converted back to plain BF16, the script prints what is still allocated, how much of it Python can still
+reach (CUDA tensors found by the garbage collector), and the largest of those by dtype and shape (run BJ,
+docs/benchmarks.md (g)).
 
     LAYERS=8 PYTHONPATH=. OUT=$OUT python3 bench/probe_memory.py
 """
@@ -47,7 +48,7 @@ def main() -> None:
     records = random_records(cfg.rl_prompts, cfg.rl_prompt, cfg.vocab, seed=2)
     num = cfg.rl_prompts * cfg.rl_generations
     rows = [{"after": "model built", **census()}]
-    for recipe, old_logprobs in training.RL_STEP_CONFIGS:
+    for recipe, old_logprobs in (*training.RL_STEP_CONFIGS, ("bf16", "recompute")):
         trainer = training._trainer(model, recipe, records, generations=cfg.rl_generations, batch=num,
                                     prompt_len=cfg.rl_prompt, completion_len=cfg.rl_completion, cfg=cfg,
                                     old_logprobs=old_logprobs)

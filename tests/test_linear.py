@@ -269,8 +269,8 @@ def test_fp8_rollout_trains_in_bf16_and_rolls_out_in_fp8():
 
 def test_quantized_input_holds_no_autograd_graph():
     """The FP8 codes of an activation carry no ``grad_fn``: linear.py memoizes the last one for sibling layers,
-    and a graph hanging off it kept every Float8Linear's weight cache alive after its model was converted back
-    (the bench's (g) ran out of memory on its last recipe)."""
+    and on CPU a graph hanging off it kept every Float8Linear's weight cache alive after its model was converted
+    back (found by bench/probe_memory.py's census; on CUDA the Triton kernels never built that graph)."""
     import gc
     import weakref
 
