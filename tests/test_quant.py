@@ -152,3 +152,26 @@ def test_quant_backend_env_var_must_name_a_backend(monkeypatch):
         quant_module.quant_backend(torch.device("cpu"))
     monkeypatch.setenv("JETRL_QUANT_BACKEND", "reference")
     assert quant_module.quant_backend(torch.device("cpu")) == "reference"
+
+
+def test_bare_cast_only_where_codes_go_straight_to_memory():
+    """The GPU's bare E4M3 cast (no clamp, no NaN select before it) is exact only where its codes are stored as
+    they come: Triton 3.6 miscompiles their in-register use (bench/probe_bare_cast.py, docs/benchmarks.md (a)). So
+    only the two quantize kernels may pass ``BARE_CAST=True``; a kernel that decodes, reshapes or moves its codes
+    must call ``quantize_rows`` (re-run the probe on the GPU before widening this list)."""
+    import ast
+    import pathlib
+
+    import jetrl
+
+    users = set()
+    for path in pathlib.Path(jetrl.__file__).parent.rglob("*.py"):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            for call in ast.walk(fn):
+                if (isinstance(call, ast.Call) and getattr(call.func, "id", getattr(call.func, "attr", None))
+                        in ("_quantize_rows", "_code_bits")
+                        and any(isinstance(a, ast.Constant) and a.value is True for a in call.args)):
+                    users.add((path.name, fn.name))
+    assert users == {("quant_triton.py", "_quantize_kernel"), ("quant_triton.py", "_quantize_dual_kernel")}, users
