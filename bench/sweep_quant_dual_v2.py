@@ -57,6 +57,7 @@ import triton.language as tl
 
 from jetrl.bench.timing import graph_time_us
 from jetrl.fp8.kernels import quant_triton as qt
+from jetrl.fp8.kernels.quant_triton import SCALE_FLOOR_C as SCALE_FLOOR
 from jetrl.fp8.kernels.quant_triton import explicit_round, quantize_dual_triton, quantize_rows, quantize_triton
 from jetrl.fp8.quant import E4M3, quantize_reference
 
@@ -123,6 +124,104 @@ def _dual_reload_variant(x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr
     mask_t = col_ok[:, None] & row_ok[None, :]
     xt = tl.load(x_ptr + rows[None, :] * stride_xm + cols[:, None] * stride_xk, mask=mask_t, other=0.0)
     code_bits_t, scale_t = _rows_clamp(xt.to(tl.float32), POW2, EXPLICIT_ROUND, CLAMP)
+    tl.store(codes_t_ptr + cols[:, None] * M + rows[None, :], code_bits_t, mask=mask_t)
+    tl.store(scales_t_ptr + cols * num_m_groups + pid_m, scale_t, mask=col_ok)
+
+
+INV_448_C = tl.constexpr(1 / 448)  # RN(1/448) once rounded to fp32 in the kernel: exactly bench/prove_fast_scale.py's c
+
+
+@triton.jit
+def _rcp_approx(x):
+    """The hardware's reciprocal approximation (MUFU.RCP), within 2 ulps of 1/x for normal x; GPU only."""
+    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _scale_and_reciprocal_fast(amax, nonfinite, POW2: tl.constexpr):
+    """``_scale_and_reciprocal`` without a division: the same two fp32 values, bit for bit, by the algorithm and the
+    exhaustive proof of bench/prove_fast_scale.py. GPU only (inline PTX)."""
+    tiny = amax < 7.888609052210118e-31  # 2^-100: scaled by 2^64, so no intermediate below is subnormal
+    a = tl.where(tiny, amax * 18446744073709551616.0, amax)
+    q0 = a * INV_448_C
+    q = tl.fma(tl.fma(-q0, 448.0, a), INV_448_C, q0)  # RN(a / 448): one exact remainder, one correction
+    scale = tl.maximum(tl.where(tiny, q * 5.421010862427522e-20, q), SCALE_FLOOR)
+    bits = scale.to(tl.int32, bitcast=True)
+    if POW2:
+        exponent = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        scale = (exponent << 23).to(tl.float32, bitcast=True)
+        reciprocal = ((254 - exponent) << 23).to(tl.float32, bitcast=True)  # 2^-k, exact
+    else:
+        y = _rcp_approx(scale)
+        y = tl.fma(y, tl.fma(-scale, y, 1.0), y)
+        y = tl.fma(y, tl.fma(-scale, y, 1.0), y)
+        # an all-ones significand: RN(1/s) = 2^(-k-1) (1 + 2^-23), where the Newton steps end one ulp low
+        exact = (((253 - (bits >> 23)) << 23) | 1).to(tl.float32, bitcast=True)
+        reciprocal = tl.where((bits & 0x7FFFFF) == 0x7FFFFF, exact, y)
+    return tl.where(nonfinite, float("nan"), scale), tl.where(nonfinite, float("nan"), reciprocal)
+
+
+@triton.jit
+def _fast_scale_kernel(amax_ptr, scale_ptr, reciprocal_ptr, n, POW2: tl.constexpr):
+    offs = tl.program_id(0) * 1024 + tl.arange(0, 1024)
+    amax = tl.load(amax_ptr + offs, mask=offs < n, other=1.0)
+    scale, reciprocal = _scale_and_reciprocal_fast(amax, amax == float("inf"), POW2)
+    tl.store(scale_ptr + offs, scale, mask=offs < n)
+    tl.store(reciprocal_ptr + offs, reciprocal, mask=offs < n)
+
+
+def check_fast_scale_on_gpu() -> dict:
+    """``_scale_and_reciprocal_fast`` on the GPU against IEEE division (torch's CUDA ``/``), for every fp32
+    significand at amax's extreme and middle binades (subnormals, the tiny-amax path, the floor), 0 and inf, both
+    scale kinds -- the hardware's own reciprocal approximation included, which the CPU proof can only bound."""
+    sig = torch.arange(1 << 23, dtype=torch.int32, device="cuda")
+    parts = [sig[1:] >> 3, sig[1:]]  # subnormal amax (FTZ or not, the floor makes them all 2^-126)
+    parts += [sig | ((k + 127) << 23) for k in (-126, -118, -117, -110, -101, -100, -99, -60, -1, 0, 1, 60, 118, 127)]
+    amax = torch.cat(parts).view(torch.float32)
+    amax = torch.cat([amax, torch.tensor([0.0, float("inf")], device="cuda")])
+    result = {}
+    for pow2 in (False, True):
+        scale, reciprocal = torch.empty_like(amax), torch.empty_like(amax)
+        _fast_scale_kernel[(triton.cdiv(amax.numel(), 1024),)](amax, scale, reciprocal, amax.numel(), POW2=pow2)
+        want = torch.clamp_min(amax / 448.0, 2.0**-126)
+        if pow2:
+            b = want.view(torch.int32)
+            want = (((b >> 23) + ((b & 0x7FFFFF) != 0).int()) << 23).view(torch.float32)
+        want = torch.where(amax == float("inf"), float("nan"), want)
+        want_r = 1.0 / want
+        bad_s = int((scale.view(torch.int32) != want.view(torch.int32)).sum())
+        bad_r = int((reciprocal.view(torch.int32) != want_r.view(torch.int32)).sum())
+        result[f"pow2={pow2}"] = {"values": amax.numel(), "scales_differ": bad_s, "reciprocals_differ": bad_r}
+    result["bit_equal"] = all(v["scales_differ"] == 0 and v["reciprocals_differ"] == 0 for v in result.values())
+    print("fast scales vs IEEE division on the GPU:", result, flush=True)
+    return result
+
+
+@triton.jit
+def _rows_fast(x, POW2: tl.constexpr):
+    """``_quantize_rows(x, POW2, False, True)`` with the division-free scales (GPU only)."""
+    amax = tl.max(_abs_or_inf(x), axis=1)
+    scale, reciprocal = _scale_and_reciprocal_fast(amax, amax == float("inf"), POW2)
+    return qt._code_bits(x * reciprocal[:, None], (scale != scale)[:, None], False, True), scale
+
+
+@triton.jit
+def _dual_fastdiv(x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr, M, K, stride_xm, stride_xk,
+                  num_k_groups, num_m_groups, POW2: tl.constexpr):
+    # the shipped ``_quantize_dual_kernel`` at CHUNK 128 with ``_rows_fast`` for its row function
+    pid_k, pid_m = tl.program_id(0), tl.program_id(1)
+    rows = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
+    cols = pid_k.to(tl.int64) * 128 + tl.arange(0, 128)
+    row_ok, col_ok = rows < M, cols < K
+    mask = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+    code_bits, scale = _rows_fast(x.to(tl.float32), POW2)
+    tl.store(codes_ptr + rows[:, None] * K + cols[None, :], code_bits, mask=mask)
+    tl.store(scales_ptr + rows * num_k_groups + pid_k, scale, mask=row_ok)
+    mask_t = col_ok[:, None] & row_ok[None, :]
+    xt = tl.load(x_ptr + rows[None, :] * stride_xm + cols[:, None] * stride_xk, mask=mask_t, other=0.0)
+    code_bits_t, scale_t = _rows_fast(xt.to(tl.float32), POW2)
     tl.store(codes_t_ptr + cols[:, None] * M + rows[None, :], code_bits_t, mask=mask_t)
     tl.store(scales_t_ptr + cols * num_m_groups + pid_m, scale_t, mask=col_ok)
 
@@ -276,7 +375,10 @@ def dual_candidate(x, pow2, kind, chunk, warps):
     assert x.stride(1) == 1, "the candidates read x with unit column stride"
     outs = _outputs(x)
     gm, gk = triton.cdiv(x.shape[0], 128), triton.cdiv(x.shape[1], 128)
-    if kind.startswith("reload_"):
+    if kind == "fastdiv":
+        assert dev_is_gpu(x), "fastdiv needs the GPU (inline PTX)"
+        _dual_fastdiv[(gk, gm)](*_launch_args(x, outs), 1, gk, gm, POW2=pow2, num_warps=warps)
+    elif kind.startswith("reload_"):
         _dual_reload_variant[(gk, gm)](*_launch_args(x, outs), 1, gk, gm, POW2=pow2, EXPLICIT_ROUND=explicit_round(),
                                        CLAMP=CLAMPS[kind.split("_")[-1]], num_warps=warps)
     elif kind.startswith("packed"):
@@ -299,6 +401,10 @@ def dual_candidate(x, pow2, kind, chunk, warps):
     return outs
 
 
+def dev_is_gpu(x):
+    return x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def bits(t):
     return t.view(torch.uint8) if t.dtype == E4M3 else t.view(torch.int32)
 
@@ -313,6 +419,8 @@ if os.environ.get("CANDIDATES") == "clamp":  # run BI: the shipped kernel withou
     CANDIDATES = [("reload", 128, 8), ("reload_c", 128, 8), ("reload_nc", 128, 8), ("reload_nn", 128, 8)]
 if os.environ.get("CANDIDATES") == "reload":  # run BN: the shipped kernel's launch grid again, with the bare cast
     CANDIDATES = [("reload", c, w) for c in (32, 64, 128) for w in (4, 8, 16)]
+if os.environ.get("CANDIDATES") == "fastdiv":  # the division-free scales of bench/prove_fast_scale.py (GPU only)
+    CANDIDATES = [("reload", 128, 8), ("fastdiv", 128, 8), ("fastdiv", 128, 4)]
 if os.environ.get("CANDIDATES") == "all":
     CANDIDATES = ([("trans", 128, w) for w in (4, 8, 16)] + [("reload", c, w) for c in (32, 64, 128) for w in (4, 8, 16)]
                   + [(g, c, w) for g in ("gluon", "gluon_cvt") for c in (32, 64, 128) for w in (4, 8, 16)] + PACKED)
@@ -335,6 +443,9 @@ def sass_mix() -> None:
             consts = {"POW2": False, "EXPLICIT_ROUND": False, "VEC": chunk, "CLAMP": CLAMPS[kind.split("_")[-1]],
                       "num_warps": warps}
             args = {**ptrs, **dims, "codes_t_ptr": torch.empty(1, dtype=torch.int32)}
+        elif kind == "fastdiv":
+            fn, consts = _dual_fastdiv, {"POW2": False}
+            args = {**ptrs, **dims, "stride_xk": 1}
         elif kind.startswith("packed"):
             fn, consts = _dual_packed, {"POW2": False, "EXPLICIT_ROUND": False, "CLAMP": CLAMPS[kind.split("_")[-1]]}
             args = {**ptrs, **dims, "stride_xk": 1, "codes_t_ptr": torch.empty(1, dtype=torch.int32)}
@@ -363,6 +474,8 @@ def main() -> None:
     # partial tiles (200 x 300) are checked, not timed
     shapes = [(256, 384), (196, 200)] if dev.type == "cpu" else [(200, 300), (9216, 4096), (9216, 6144), (9216, 12288), (9216, 24576)]
     res = []
+    if dev.type == "cuda" and any(kind == "fastdiv" for kind, _, _ in CANDIDATES):
+        res.append({"kind": "fast scale check", **check_fast_scale_on_gpu()})
     for m, k in shapes:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16) * torch.logspace(-3, 3, k, device=dev).to(
             torch.bfloat16)
@@ -370,8 +483,8 @@ def main() -> None:
         for pow2 in (False, True):
             want = (*quantize_reference(x, 1, 128, pow2), *quantize_reference(x.t(), 1, 128, pow2))
             for kind, chunk, warps in CANDIDATES:
-                if kind.startswith("gluon") and dev.type == "cpu":
-                    continue  # no interpreter for Gluon
+                if (kind.startswith("gluon") or kind == "fastdiv") and dev.type == "cpu":
+                    continue  # no interpreter for Gluon, nor for inline PTX
                 row = {"m": m, "k": k, "pow2": pow2, "kind": kind, "chunk": chunk, "warps": warps}
                 try:
                     got = dual_candidate(x, pow2, kind, chunk, warps)
@@ -393,7 +506,7 @@ def main() -> None:
             res.append({"m": m, "k": k, "pow2": False, "kind": "two passes",
                         "us": graph_time_us(two_passes, dev, calls=5, replays=10)})
             for r in res:
-                if r["m"] == m and r["k"] == k and "us" in r:
+                if r.get("m") == m and r.get("k") == k and "us" in r:
                     r["tb_s"] = nbytes / r["us"] / 1e6
     if dev.type == "cuda":
         with open(os.path.join(os.environ.get("OUT", "."), "quant_dual_v2.json"), "w") as f:
