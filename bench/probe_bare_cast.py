@@ -50,13 +50,15 @@ def main() -> None:
         if bad.any():
             r, c = bad.nonzero()[0].tolist()
             print("  first at", (r, c), "x", float(x[r, c]), "got", float(out[r, c]), "want", float(ref[r, c]),
-                  "codes got/want", int(codes[r, c]), int(rc[r, c]), "neighbours want", ref[r, max(c - 1, 0):c + 2].tolist())
+                  "codes got/want", int(codes[r, c]), int(rc[r, c]),
+                  "neighbours want", ref[r, max(c - 1, 0):c + 2].tolist())
             decoded = codes.view(torch.float8_e4m3fn).float() * rs.cpu()
             neighbour = (out[bad] == ref.roll(1, 1)[bad]) | (out[bad] == ref.roll(-1, 1)[bad])
             print("  stored codes decode to the right value at those places:", bool((decoded[bad] == ref[bad]).all()),
                   "; got == some neighbour's want:", bool(neighbour.float().mean() > 0.9))
             cols = bad.nonzero()[:, 1]
-            print("  columns hit (mod 4):", torch.bincount(cols % 4, minlength=4).tolist(), "sample", cols[:12].tolist())
+            print("  columns hit (mod 4):", torch.bincount(cols % 4, minlength=4).tolist(),
+                  "sample", cols[:12].tolist())
 
 
 if __name__ == "__main__":

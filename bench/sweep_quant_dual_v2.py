@@ -261,10 +261,14 @@ def _packed_tile(x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr, quad, 
     x2 = _quad_rows(x_ptr, quad, 2, cols, M, K, stride_xm, stride_xk)
     x3 = _quad_rows(x_ptr, quad, 3, cols, M, K, stride_xm, stride_xk)
     a0, a1, a2, a3 = _abs_or_inf(x0), _abs_or_inf(x1), _abs_or_inf(x2), _abs_or_inf(x3)
-    _quad_row_codes(codes_ptr, scales_ptr, x0, a0, quad, 0, cols, pid_k, M, K, num_k_groups, POW2, EXPLICIT_ROUND, CLAMP)
-    _quad_row_codes(codes_ptr, scales_ptr, x1, a1, quad, 1, cols, pid_k, M, K, num_k_groups, POW2, EXPLICIT_ROUND, CLAMP)
-    _quad_row_codes(codes_ptr, scales_ptr, x2, a2, quad, 2, cols, pid_k, M, K, num_k_groups, POW2, EXPLICIT_ROUND, CLAMP)
-    _quad_row_codes(codes_ptr, scales_ptr, x3, a3, quad, 3, cols, pid_k, M, K, num_k_groups, POW2, EXPLICIT_ROUND, CLAMP)
+    _quad_row_codes(codes_ptr, scales_ptr, x0, a0, quad, 0, cols, pid_k, M, K, num_k_groups, POW2, EXPLICIT_ROUND,
+                    CLAMP)
+    _quad_row_codes(codes_ptr, scales_ptr, x1, a1, quad, 1, cols, pid_k, M, K, num_k_groups, POW2, EXPLICIT_ROUND,
+                    CLAMP)
+    _quad_row_codes(codes_ptr, scales_ptr, x2, a2, quad, 2, cols, pid_k, M, K, num_k_groups, POW2, EXPLICIT_ROUND,
+                    CLAMP)
+    _quad_row_codes(codes_ptr, scales_ptr, x3, a3, quad, 3, cols, pid_k, M, K, num_k_groups, POW2, EXPLICIT_ROUND,
+                    CLAMP)
     amax_t = tl.max(tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3)), axis=0)
     scale_t, reciprocal_t = qt._scale_and_reciprocal(amax_t, amax_t == float("inf"), POW2)
     word = (_quad_col_codes(x0, reciprocal_t, scale_t, EXPLICIT_ROUND, CLAMP)
@@ -472,7 +476,8 @@ def main() -> None:
         return
     dev = torch.device("cpu" if os.environ.get("CHECK_ONLY") else "cuda")
     # partial tiles (200 x 300) are checked, not timed
-    shapes = [(256, 384), (196, 200)] if dev.type == "cpu" else [(200, 300), (9216, 4096), (9216, 6144), (9216, 12288), (9216, 24576)]
+    gpu_shapes = [(200, 300), (9216, 4096), (9216, 6144), (9216, 12288), (9216, 24576)]
+    shapes = [(256, 384), (196, 200)] if dev.type == "cpu" else gpu_shapes
     res = []
     if dev.type == "cuda" and any(kind == "fastdiv" for kind, _, _ in CANDIDATES):
         res.append({"kind": "fast scale check", **check_fast_scale_on_gpu()})
