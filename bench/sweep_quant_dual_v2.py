@@ -23,15 +23,15 @@ TB/s against 3.2 for the single-layout pass (docs/benchmarks.md (a)). Candidates
   ``LDSM.MT88`` and 16 ``LDG.E.128``, against the shipped kernel's 64 ``STS.U8``; 2720 SASS instructions).
   Gluon has no interpreter: on CPU ``SASS_ONLY=1`` compiles every candidate for sm_90 and prints its memory
   instructions instead;
-* ``packed`` / ``gluon_packed`` (the default list, run BH: 1.25-2x *slower* than ``reload``): x read once, as
-  four (32, 128) tensors of rows 4i + j, both layouts quantized from the same registers, and the x^T codes of
-  rows 4i..4i+3 packed into one 32-bit word, so what crosses layouts (Triton) or threads (Gluon, whose layout
-  keeps the 32 quads in the 32 lanes: no layout change at all) is words, not bytes. Suffixes ``_nc`` / ``_nn``:
-  ``_codes``'s modes below;
-* ``reload_c`` / ``reload_nc`` / ``reload_nn`` (``CANDIDATES=clamp``, run BI): ``reload`` with the clamp before
-  the cast (c), without it (nc: the hardware cast saturates), and without the clamp and the NaN select (nn: a
-  NaN scale makes NaN products, which the cast writes as 0x7F): 85.8 / 78.9 / 67.8 µs at 9216 x 4096, all bit
-  for bit. The kernel is bound by instruction issue: ``quantize_dual_triton`` now takes the bare cast (nn).
+* ``fastdiv`` (``CANDIDATES=fastdiv``, GPU only; prepared, not yet run): ``reload`` with the scales computed without
+  a division (bench/prove_fast_scale.py has the algorithm and its exhaustive proof); the sweep first checks the
+  scale function on the GPU against IEEE division for every fp32 significand at 16 binades.
+
+Measured and removed (their code is in commit ba8787a): ``packed`` / ``gluon_packed`` (run BH, 1.25-2x *slower*):
+x read once as four (32, 128) tensors of rows 4i + j, both layouts quantized from the same registers, x^T's codes of
+rows 4i..4i+3 packed into one 32-bit word; ``reload_c`` / ``_nc`` / ``_nn`` (run BI): ``reload`` with the clamp
+before the cast, without it, and without the clamp and the NaN select -- 85.8 / 78.9 / 67.8 µs at 9216 x 4096, all
+bit for bit, hence the bare cast of ``quantize_dual_triton``.
 
 Every candidate is checked bit for bit against ``quantize_reference`` of x and of x.t() (NaN and pow2 scales
 included) before it is timed under CUDA-graph replay. GPU only, but for ``CHECK_ONLY=1`` (the Triton candidates
@@ -41,8 +41,8 @@ under TRITON_INTERPRET=1) and ``SASS_ONLY=1``:
 
 Result (runs AU, AV, AY, BH and BI, docs/benchmarks.md (a)): ``reload`` with 128-wide chunks and 8 warps, 1.14-1.18x
 the kernel before it and 0.97-0.99x the two passes, is ``quantize_dual_triton`` itself (with the bare cast since run
-BI: 1.25x faster again; run BN: still the best launch grid with it); no Gluon or packed candidate beat it at any chunk
-or warp count.
+BI: 1.25x faster again; run BN: still the best launch grid with it, ``CANDIDATES=reload``); no Gluon or packed
+candidate beat it at any chunk or warp count.
 """
 
 import collections
@@ -76,55 +76,6 @@ def _dual_trans(x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr, M, K, s
     tl.store(scales_ptr + rows * num_k_groups + pid_k, scale, mask=row_ok)
     code_t, scale_t = quantize_rows(tl.trans(x).to(tl.float32), POW2, EXPLICIT_ROUND)
     tl.store(codes_t_ptr + cols[:, None] * M + rows[None, :], code_t, mask=col_ok[:, None] & row_ok[None, :])
-    tl.store(scales_t_ptr + cols * num_m_groups + pid_m, scale_t, mask=col_ok)
-
-
-@triton.jit
-def _abs_or_inf(x):
-    return tl.where(x == x, tl.abs(x), float("inf"))  # _amax's operand: +inf for NaN/Inf (tl.max drops NaN)
-
-
-@triton.jit
-def _codes(y, is_nan, EXPLICIT_ROUND: tl.constexpr, CLAMP: tl.constexpr):
-    """``_code_bits`` (CLAMP 2), or on the GPU without its clamp to +-448 (1), or without the clamp and the NaN select
-    (0). The GPU's fp32 -> E4M3 cast is ``cvt.rn.satfinite``: it saturates to +-448 itself, and a group holding
-    NaN/Inf has a NaN scale, hence a NaN reciprocal and NaN products, which it casts to NaN codes -- the same bits
-    if those are the canonical 0x7F (the sweep checks, NaN included)."""
-    if CLAMP == 2 or EXPLICIT_ROUND:
-        bits = qt._code_bits(y, is_nan, EXPLICIT_ROUND, False)
-    elif CLAMP == 1:
-        bits = tl.where(is_nan, 0x7F, y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)).to(tl.uint8)
-    else:
-        bits = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    return bits
-
-
-@triton.jit
-def _rows_clamp(x, POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr, CLAMP: tl.constexpr):
-    """``quantize_rows`` with ``_codes``'s CLAMP modes."""
-    amax = tl.max(_abs_or_inf(x), axis=1)
-    scale, reciprocal = qt._scale_and_reciprocal(amax, amax == float("inf"), POW2)
-    return _codes(x * reciprocal[:, None], (scale != scale)[:, None], EXPLICIT_ROUND, CLAMP), scale
-
-
-@triton.jit
-def _dual_reload_variant(x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr, M, K, stride_xm, stride_xk,
-                         num_k_groups, num_m_groups, POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
-                         CLAMP: tl.constexpr):
-    # the shipped ``_quantize_dual_kernel`` at CHUNK 128, its row function with a CLAMP mode
-    pid_k, pid_m = tl.program_id(0), tl.program_id(1)
-    rows = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
-    cols = pid_k.to(tl.int64) * 128 + tl.arange(0, 128)
-    row_ok, col_ok = rows < M, cols < K
-    mask = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
-    code_bits, scale = _rows_clamp(x.to(tl.float32), POW2, EXPLICIT_ROUND, CLAMP)
-    tl.store(codes_ptr + rows[:, None] * K + cols[None, :], code_bits, mask=mask)
-    tl.store(scales_ptr + rows * num_k_groups + pid_k, scale, mask=row_ok)
-    mask_t = col_ok[:, None] & row_ok[None, :]
-    xt = tl.load(x_ptr + rows[None, :] * stride_xm + cols[:, None] * stride_xk, mask=mask_t, other=0.0)
-    code_bits_t, scale_t = _rows_clamp(xt.to(tl.float32), POW2, EXPLICIT_ROUND, CLAMP)
-    tl.store(codes_t_ptr + cols[:, None] * M + rows[None, :], code_bits_t, mask=mask_t)
     tl.store(scales_t_ptr + cols * num_m_groups + pid_m, scale_t, mask=col_ok)
 
 
@@ -171,6 +122,12 @@ def _fast_scale_kernel(amax_ptr, scale_ptr, reciprocal_ptr, n, POW2: tl.constexp
     tl.store(reciprocal_ptr + offs, reciprocal, mask=offs < n)
 
 
+def _differ(got: torch.Tensor, want: torch.Tensor) -> int:
+    """How many values differ in their bits, NaN against NaN counting as equal (payloads differ between kernels)."""
+    both_nan = got.isnan() & want.isnan()
+    return int(((got.view(torch.int32) != want.view(torch.int32)) & ~both_nan).sum())
+
+
 def check_fast_scale_on_gpu() -> dict:
     """``_scale_and_reciprocal_fast`` on the GPU against IEEE division (torch's CUDA ``/``), for every fp32
     significand at amax's extreme and middle binades (subnormals, the tiny-amax path, the floor), 0 and inf, both
@@ -190,8 +147,7 @@ def check_fast_scale_on_gpu() -> dict:
             want = (((b >> 23) + ((b & 0x7FFFFF) != 0).int()) << 23).view(torch.float32)
         want = torch.where(amax == float("inf"), float("nan"), want)
         want_r = 1.0 / want
-        bad_s = int((scale.view(torch.int32) != want.view(torch.int32)).sum())
-        bad_r = int((reciprocal.view(torch.int32) != want_r.view(torch.int32)).sum())
+        bad_s, bad_r = _differ(scale, want), _differ(reciprocal, want_r)
         result[f"pow2={pow2}"] = {"values": amax.numel(), "scales_differ": bad_s, "reciprocals_differ": bad_r}
     result["bit_equal"] = all(v["scales_differ"] == 0 and v["reciprocals_differ"] == 0 for v in result.values())
     print("fast scales vs IEEE division on the GPU:", result, flush=True)
@@ -201,7 +157,7 @@ def check_fast_scale_on_gpu() -> dict:
 @triton.jit
 def _rows_fast(x, POW2: tl.constexpr):
     """``_quantize_rows(x, POW2, False, True)`` with the division-free scales (GPU only)."""
-    amax = tl.max(_abs_or_inf(x), axis=1)
+    amax = qt._amax(x, 1)
     scale, reciprocal = _scale_and_reciprocal_fast(amax, amax == float("inf"), POW2)
     return qt._code_bits(x * reciprocal[:, None], (scale != scale)[:, None], False, True), scale
 
@@ -209,7 +165,9 @@ def _rows_fast(x, POW2: tl.constexpr):
 @triton.jit
 def _dual_fastdiv(x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr, M, K, stride_xm, stride_xk,
                   num_k_groups, num_m_groups, POW2: tl.constexpr):
-    # the shipped ``_quantize_dual_kernel`` at CHUNK 128 with ``_rows_fast`` for its row function
+    # the shipped ``_quantize_dual_kernel`` at CHUNK 128 with ``_rows_fast`` for its row function: a copy only while
+    # the candidate is unmeasured -- if taken, ``_scale_and_reciprocal`` itself gets the arithmetic (every quantizer
+    # kernel shares it) and this kernel goes
     pid_k, pid_m = tl.program_id(0), tl.program_id(1)
     rows = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
     cols = pid_k.to(tl.int64) * 128 + tl.arange(0, 128)
@@ -224,93 +182,6 @@ def _dual_fastdiv(x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr, M, K,
     code_bits_t, scale_t = _rows_fast(xt.to(tl.float32), POW2)
     tl.store(codes_t_ptr + cols[:, None] * M + rows[None, :], code_bits_t, mask=mask_t)
     tl.store(scales_t_ptr + cols * num_m_groups + pid_m, scale_t, mask=col_ok)
-
-
-@triton.jit
-def _quad_rows(x_ptr, quad, j: tl.constexpr, cols, M, K, stride_xm, stride_xk):
-    rows = quad * 4 + j
-    mask = (rows < M)[:, None] & (cols < K)[None, :]
-    return tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _quad_row_codes(codes_ptr, scales_ptr, x, a, quad, j: tl.constexpr, cols, pid_k, M, K, num_k_groups,
-                    POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr, CLAMP: tl.constexpr):
-    rows = quad * 4 + j
-    amax = tl.max(a, axis=1)
-    scale, reciprocal = qt._scale_and_reciprocal(amax, amax == float("inf"), POW2)
-    code_bits = _codes(x * reciprocal[:, None], (scale != scale)[:, None], EXPLICIT_ROUND, CLAMP)
-    tl.store(codes_ptr + rows[:, None] * K + cols[None, :], code_bits, mask=(rows < M)[:, None] & (cols < K)[None, :])
-    tl.store(scales_ptr + rows * num_k_groups + pid_k, scale, mask=rows < M)
-
-
-@triton.jit
-def _quad_col_codes(x, reciprocal, scale, EXPLICIT_ROUND: tl.constexpr, CLAMP: tl.constexpr):
-    return _codes(x * reciprocal[None, :], (scale != scale)[None, :], EXPLICIT_ROUND, CLAMP).to(tl.uint32)
-
-
-@triton.jit
-def _packed_tile(x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr, quad, cols, pid_k, pid_m, M, K, stride_xm,
-                 stride_xk, num_k_groups, num_m_groups, POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
-                 CLAMP: tl.constexpr):
-    # One (128 m, 128 k) tile as four (32, 128) tensors x_j = rows 4i + j (quad = i, in the caller's layout): x is
-    # read once, both layouts are quantized from the same registers, and the x^T codes of rows 4i..4i+3 are packed
-    # into one 32-bit word (little-endian: row 4i in the low byte), so what crosses layouts is words, not bytes.
-    x0 = _quad_rows(x_ptr, quad, 0, cols, M, K, stride_xm, stride_xk)
-    x1 = _quad_rows(x_ptr, quad, 1, cols, M, K, stride_xm, stride_xk)
-    x2 = _quad_rows(x_ptr, quad, 2, cols, M, K, stride_xm, stride_xk)
-    x3 = _quad_rows(x_ptr, quad, 3, cols, M, K, stride_xm, stride_xk)
-    a0, a1, a2, a3 = _abs_or_inf(x0), _abs_or_inf(x1), _abs_or_inf(x2), _abs_or_inf(x3)
-    _quad_row_codes(codes_ptr, scales_ptr, x0, a0, quad, 0, cols, pid_k, M, K, num_k_groups, POW2, EXPLICIT_ROUND,
-                    CLAMP)
-    _quad_row_codes(codes_ptr, scales_ptr, x1, a1, quad, 1, cols, pid_k, M, K, num_k_groups, POW2, EXPLICIT_ROUND,
-                    CLAMP)
-    _quad_row_codes(codes_ptr, scales_ptr, x2, a2, quad, 2, cols, pid_k, M, K, num_k_groups, POW2, EXPLICIT_ROUND,
-                    CLAMP)
-    _quad_row_codes(codes_ptr, scales_ptr, x3, a3, quad, 3, cols, pid_k, M, K, num_k_groups, POW2, EXPLICIT_ROUND,
-                    CLAMP)
-    amax_t = tl.max(tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3)), axis=0)
-    scale_t, reciprocal_t = qt._scale_and_reciprocal(amax_t, amax_t == float("inf"), POW2)
-    word = (_quad_col_codes(x0, reciprocal_t, scale_t, EXPLICIT_ROUND, CLAMP)
-            | (_quad_col_codes(x1, reciprocal_t, scale_t, EXPLICIT_ROUND, CLAMP) << 8)
-            | (_quad_col_codes(x2, reciprocal_t, scale_t, EXPLICIT_ROUND, CLAMP) << 16)
-            | (_quad_col_codes(x3, reciprocal_t, scale_t, EXPLICIT_ROUND, CLAMP) << 24))
-    tl.store(codes_t_ptr + cols[None, :] * (M // 4) + quad[:, None], word.to(tl.int32, bitcast=True),
-             mask=(quad * 4 < M)[:, None] & (cols < K)[None, :])
-    tl.store(scales_t_ptr + cols * num_m_groups + pid_m, scale_t, mask=cols < K)
-
-
-@triton.jit
-def _dual_packed(x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr, M, K, stride_xm, stride_xk,
-                 num_k_groups, num_m_groups, POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr, CLAMP: tl.constexpr):
-    # Needs M % 4 == 0; Triton picks the layouts.
-    pid_k, pid_m = tl.program_id(0), tl.program_id(1)
-    quad = pid_m.to(tl.int64) * 32 + tl.arange(0, 32)
-    cols = pid_k.to(tl.int64) * 128 + tl.arange(0, 128)
-    _packed_tile(x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr, quad, cols, pid_k, pid_m, M, K, stride_xm,
-                 stride_xk, num_k_groups, num_m_groups, POW2, EXPLICIT_ROUND, CLAMP)
-
-
-@functools.cache
-def _gluon_packed_kernel():
-    """``packed`` in Gluon, whose layout keeps the 32 quads of a tile in the 32 lanes of every warp (warps and
-    registers along k, 8 consecutive k per thread: 16-byte loads): the packed x^T words are then stored where
-    they are computed, each warp writing 128 contiguous bytes per k, and no value crosses threads but the amaxes."""
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-
-    @gluon.jit
-    def _dual_gluon_packed(x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr, M, K, stride_xm, num_k_groups,
-                           num_m_groups, POW2: gl.constexpr, EXPLICIT_ROUND: gl.constexpr, VEC: gl.constexpr,
-                           CLAMP: gl.constexpr, num_warps: gl.constexpr):
-        pid_k, pid_m = gl.program_id(0), gl.program_id(1)
-        lay: gl.constexpr = gl.BlockedLayout([1, VEC], [32, 1], [1, num_warps], [1, 0])
-        quad = pid_m.to(gl.int64) * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, lay))
-        cols = pid_k.to(gl.int64) * 128 + gl.arange(0, 128, layout=gl.SliceLayout(0, lay))
-        _packed_tile(x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr, quad, cols, pid_k, pid_m, M, K,
-                     stride_xm, 1, num_k_groups, num_m_groups, POW2, EXPLICIT_ROUND, CLAMP)
-
-    return _dual_gluon_packed
 
 
 @functools.cache
@@ -362,8 +233,11 @@ def _gluon_kernel():
 def _outputs(x):
     m, k = x.shape
     gm, gk = triton.cdiv(m, 128), triton.cdiv(k, 128)
-    return (torch.empty((m, k), dtype=E4M3, device=x.device), torch.empty((m, gk), dtype=torch.float32, device=x.device),
-            torch.empty((k, m), dtype=E4M3, device=x.device), torch.empty((k, gm), dtype=torch.float32, device=x.device))
+    def scales(rows, groups):
+        return torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+
+    return (torch.empty((m, k), dtype=E4M3, device=x.device), scales(m, gk),
+            torch.empty((k, m), dtype=E4M3, device=x.device), scales(k, gm))
 
 
 def _launch_args(x, outs):
@@ -382,20 +256,6 @@ def dual_candidate(x, pow2, kind, chunk, warps):
     if kind == "fastdiv":
         assert dev_is_gpu(x), "fastdiv needs the GPU (inline PTX)"
         _dual_fastdiv[(gk, gm)](*_launch_args(x, outs), 1, gk, gm, POW2=pow2, num_warps=warps)
-    elif kind.startswith("reload_"):
-        _dual_reload_variant[(gk, gm)](*_launch_args(x, outs), 1, gk, gm, POW2=pow2, EXPLICIT_ROUND=explicit_round(),
-                                       CLAMP=CLAMPS[kind.split("_")[-1]], num_warps=warps)
-    elif kind.startswith("packed"):
-        assert x.shape[0] % 4 == 0, "packed needs M % 4 == 0"
-        _dual_packed[(gk, gm)](x, outs[0].view(torch.uint8), outs[1], outs[2].view(torch.uint8).view(torch.int32),
-                               outs[3], x.shape[0], x.shape[1], x.stride(0), 1, gk, gm, POW2=pow2,
-                               EXPLICIT_ROUND=explicit_round(), CLAMP=CLAMPS[kind.split("_")[-1]], num_warps=warps)
-    elif kind.startswith("gluon_packed"):
-        assert x.shape[0] % 4 == 0, "packed needs M % 4 == 0"
-        _gluon_packed_kernel()[(gk, gm)](x, outs[0].view(torch.uint8), outs[1],
-                                         outs[2].view(torch.uint8).view(torch.int32), outs[3], x.shape[0], x.shape[1],
-                                         x.stride(0), gk, gm, POW2=pow2, EXPLICIT_ROUND=False, VEC=chunk,
-                                         CLAMP=CLAMPS[kind.split("_")[-1]], num_warps=warps)
     elif kind == "trans":
         _dual_trans[(gk, gm)](*_launch_args(x, outs), 1, gk, gm, POW2=pow2, EXPLICIT_ROUND=explicit_round(),
                               num_warps=warps)
@@ -415,19 +275,14 @@ def bits(t):
 
 # run AU also timed ``trans`` at 4 / 8 / 16 warps and ``reload`` at 32 / 4-8 and 64 / 4: all slower than ``reload``
 # 64 / 8; run AV ``reload`` at 64 and 128 with 8 and 16 warps (docs/benchmarks.md (a)). CANDIDATES=all times them all.
-CLAMPS = {"packed": 2, "c": 2, "nc": 1, "nn": 0}  # a packed / reload_ candidate's name ends in its _codes mode
-PACKED = ([(p, 0, w) for p in ("packed", "packed_nc", "packed_nn") for w in (4, 8, 16)]
-          + [(g, 8, w) for g in ("gluon_packed", "gluon_packed_nc", "gluon_packed_nn") for w in (4, 8, 16)])
-CANDIDATES = [("reload", 128, 8)] + PACKED
-if os.environ.get("CANDIDATES") == "clamp":  # run BI: the shipped kernel without the clamp before the cast
-    CANDIDATES = [("reload", 128, 8), ("reload_c", 128, 8), ("reload_nc", 128, 8), ("reload_nn", 128, 8)]
+CANDIDATES = [("reload", 128, 8)] + [(g, c, w) for g in ("gluon", "gluon_cvt") for c in (32, 64, 128) for w in (4, 8)]
 if os.environ.get("CANDIDATES") == "reload":  # run BN: the shipped kernel's launch grid again, with the bare cast
     CANDIDATES = [("reload", c, w) for c in (32, 64, 128) for w in (4, 8, 16)]
 if os.environ.get("CANDIDATES") == "fastdiv":  # the division-free scales of bench/prove_fast_scale.py (GPU only)
     CANDIDATES = [("reload", 128, 8), ("fastdiv", 128, 8), ("fastdiv", 128, 4)]
 if os.environ.get("CANDIDATES") == "all":
-    CANDIDATES = ([("trans", 128, w) for w in (4, 8, 16)] + [("reload", c, w) for c in (32, 64, 128) for w in (4, 8, 16)]
-                  + [(g, c, w) for g in ("gluon", "gluon_cvt") for c in (32, 64, 128) for w in (4, 8, 16)] + PACKED)
+    CANDIDATES = ([("trans", 128, w) for w in (4, 8, 16)]
+                  + [(kd, c, w) for kd in ("reload", "gluon", "gluon_cvt") for c in (32, 64, 128) for w in (4, 8, 16)])
 
 
 def sass_mix() -> None:
@@ -442,17 +297,9 @@ def sass_mix() -> None:
     from jetrl.fp8.kernels import quant_triton
 
     for kind, chunk, warps in CANDIDATES:
-        if kind.startswith("gluon_packed"):
-            fn = _gluon_packed_kernel()
-            consts = {"POW2": False, "EXPLICIT_ROUND": False, "VEC": chunk, "CLAMP": CLAMPS[kind.split("_")[-1]],
-                      "num_warps": warps}
-            args = {**ptrs, **dims, "codes_t_ptr": torch.empty(1, dtype=torch.int32)}
-        elif kind == "fastdiv":
+        if kind == "fastdiv":
             fn, consts = _dual_fastdiv, {"POW2": False}
             args = {**ptrs, **dims, "stride_xk": 1}
-        elif kind.startswith("packed"):
-            fn, consts = _dual_packed, {"POW2": False, "EXPLICIT_ROUND": False, "CLAMP": CLAMPS[kind.split("_")[-1]]}
-            args = {**ptrs, **dims, "stride_xk": 1, "codes_t_ptr": torch.empty(1, dtype=torch.int32)}
         elif kind.startswith("gluon"):
             fn = _gluon_kernel()
             consts = {"POW2": False, "EXPLICIT_ROUND": False, "CHUNK": chunk, "CONVERT": kind == "gluon_cvt",

@@ -46,11 +46,12 @@ reads it, never saturating silently into +-448. Callers that must stop at once p
 ``check_finite=True`` (the weight cache always does) and get a :class:`NonFiniteError`
 naming the tensor; the trainer acts on a non-finite loss or gradient for activations.
 
-Autograd: codes and scales are not differentiable, so the quantizer reads ``x.detach()``. Without it,
-the reference path's codes (CPU) carried x's ``grad_fn``, and the last activation quantized, which
-linear.py memoizes for sibling layers, kept its whole forward graph alive -- with each Float8Linear's
-weight cache in its autograd context -- after the model had been converted back (the bench's (g)
-runs recipes one after another on one model).
+Autograd: codes and scales are not differentiable, so :func:`quantize` reads ``x.detach()`` (the fused
+two-layout path of :func:`quantize_with_transpose` is a Triton kernel, outside autograd, and its fallback
+calls :func:`quantize`). Without it the reference path's codes (CPU) carried x's ``grad_fn``, and the last
+activation quantized, which linear.py memoizes for sibling layers, kept its whole forward graph alive --
+with each Float8Linear's weight cache in its autograd context -- after the model had been converted back
+(the bench's (g) runs recipes one after another on one model).
 """
 
 from __future__ import annotations
@@ -200,7 +201,6 @@ def quantize_with_transpose(
     Recorders see ``name`` and ``name + "_t"``.
     """
     _validate(x, (1, BLOCK), name)
-    x = x.detach()  # as in quantize()
     if quant_backend(x.device) == "triton":
         from jetrl.fp8.kernels.quant_triton import quantize_dual_triton
 

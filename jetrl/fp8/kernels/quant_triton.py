@@ -103,13 +103,12 @@ def _code_bits(y, is_nan, EXPLICIT_ROUND: tl.constexpr, BARE_CAST: tl.constexpr)
     stores them right but decodes half of them wrong (bench/probe_bare_cast.py, run BM), and the K/V fake
     quantization and the producers' epilogues failed their GPU tests with it (run BJ).
     """
-    if EXPLICIT_ROUND:
-        y = _round_to_e4m3(tl.minimum(tl.maximum(y, -E4M3_MAX_C), E4M3_MAX_C))  # exact E4M3 values: no rounding left
-    elif not BARE_CAST:
-        y = tl.minimum(tl.maximum(y, -E4M3_MAX_C), E4M3_MAX_C)
     if BARE_CAST and not EXPLICIT_ROUND:
         bits = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
+        y = tl.minimum(tl.maximum(y, -E4M3_MAX_C), E4M3_MAX_C)
+        if EXPLICIT_ROUND:
+            y = _round_to_e4m3(y)  # exact E4M3 values: the cast below does no rounding of its own
         # NaN codes are written as the canonical 0x7F, independent of how the backend casts NaN.
         bits = tl.where(is_nan, 0x7F, y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)).to(tl.uint8)
     return bits
