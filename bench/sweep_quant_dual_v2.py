@@ -23,15 +23,15 @@ TB/s against 3.2 for the single-layout pass (docs/benchmarks.md (a)). Candidates
   ``LDSM.MT88`` and 16 ``LDG.E.128``, against the shipped kernel's 64 ``STS.U8``; 2720 SASS instructions).
   Gluon has no interpreter: on CPU ``SASS_ONLY=1`` compiles every candidate for sm_90 and prints its memory
   instructions instead;
-* ``fastdiv`` (``CANDIDATES=fastdiv``, GPU only; prepared, not yet run): ``reload`` with the scales computed without
-  a division (bench/prove_fast_scale.py has the algorithm and its exhaustive proof); the sweep first checks the
-  scale function on the GPU against IEEE division for every fp32 significand at 16 binades.
 
 Measured and removed (their code is in commit ba8787a): ``packed`` / ``gluon_packed`` (run BH, 1.25-2x *slower*):
 x read once as four (32, 128) tensors of rows 4i + j, both layouts quantized from the same registers, x^T's codes of
 rows 4i..4i+3 packed into one 32-bit word; ``reload_c`` / ``_nc`` / ``_nn`` (run BI): ``reload`` with the clamp
 before the cast, without it, and without the clamp and the NaN select -- 85.8 / 78.9 / 67.8 µs at 9216 x 4096, all
-bit for bit, hence the bare cast of ``quantize_dual_triton``.
+bit for bit, hence the bare cast of ``quantize_dual_triton``; ``fastdiv`` (run BO, in commit 8423098 with its CPU proof
+``bench/prove_fast_scale.py``): ``reload`` with the scales computed without a division (an FMA-corrected product with
+RN(1/448), ``rcp.approx`` and two Newton steps), bit-equal and 2-5% *slower* at 128 / 8 (1776 SASS instructions per
+thread against 2048, but no faster).
 
 Every candidate is checked bit for bit against ``quantize_reference`` of x and of x.t() (NaN and pow2 scales
 included) before it is timed under CUDA-graph replay. GPU only, but for ``CHECK_ONLY=1`` (the Triton candidates
@@ -56,8 +56,6 @@ import triton
 import triton.language as tl
 
 from jetrl.bench.timing import graph_time_us
-from jetrl.fp8.kernels import quant_triton as qt
-from jetrl.fp8.kernels.quant_triton import SCALE_FLOOR_C as SCALE_FLOOR
 from jetrl.fp8.kernels.quant_triton import explicit_round, quantize_dual_triton, quantize_rows, quantize_triton
 from jetrl.fp8.quant import E4M3, quantize_reference
 
@@ -76,111 +74,6 @@ def _dual_trans(x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr, M, K, s
     tl.store(scales_ptr + rows * num_k_groups + pid_k, scale, mask=row_ok)
     code_t, scale_t = quantize_rows(tl.trans(x).to(tl.float32), POW2, EXPLICIT_ROUND)
     tl.store(codes_t_ptr + cols[:, None] * M + rows[None, :], code_t, mask=col_ok[:, None] & row_ok[None, :])
-    tl.store(scales_t_ptr + cols * num_m_groups + pid_m, scale_t, mask=col_ok)
-
-
-INV_448_C = tl.constexpr(1 / 448)  # RN(1/448) once rounded to fp32 in the kernel: exactly bench/prove_fast_scale.py's c
-
-
-@triton.jit
-def _rcp_approx(x):
-    """The hardware's reciprocal approximation (MUFU.RCP), within 2 ulps of 1/x for normal x; GPU only."""
-    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                     pack=1)
-
-
-@triton.jit
-def _scale_and_reciprocal_fast(amax, nonfinite, POW2: tl.constexpr):
-    """``_scale_and_reciprocal`` without a division: the same two fp32 values, bit for bit, by the algorithm and the
-    exhaustive proof of bench/prove_fast_scale.py. GPU only (inline PTX)."""
-    tiny = amax < 7.888609052210118e-31  # 2^-100: scaled by 2^64, so no intermediate below is subnormal
-    a = tl.where(tiny, amax * 18446744073709551616.0, amax)
-    q0 = a * INV_448_C
-    q = tl.fma(tl.fma(-q0, 448.0, a), INV_448_C, q0)  # RN(a / 448): one exact remainder, one correction
-    scale = tl.maximum(tl.where(tiny, q * 5.421010862427522e-20, q), SCALE_FLOOR)
-    bits = scale.to(tl.int32, bitcast=True)
-    if POW2:
-        exponent = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-        scale = (exponent << 23).to(tl.float32, bitcast=True)
-        reciprocal = ((254 - exponent) << 23).to(tl.float32, bitcast=True)  # 2^-k, exact
-    else:
-        y = _rcp_approx(scale)
-        y = tl.fma(y, tl.fma(-scale, y, 1.0), y)
-        y = tl.fma(y, tl.fma(-scale, y, 1.0), y)
-        # an all-ones significand: RN(1/s) = 2^(-k-1) (1 + 2^-23), where the Newton steps end one ulp low
-        exact = (((253 - (bits >> 23)) << 23) | 1).to(tl.float32, bitcast=True)
-        reciprocal = tl.where((bits & 0x7FFFFF) == 0x7FFFFF, exact, y)
-    return tl.where(nonfinite, float("nan"), scale), tl.where(nonfinite, float("nan"), reciprocal)
-
-
-@triton.jit
-def _fast_scale_kernel(amax_ptr, scale_ptr, reciprocal_ptr, n, POW2: tl.constexpr):
-    offs = tl.program_id(0) * 1024 + tl.arange(0, 1024)
-    amax = tl.load(amax_ptr + offs, mask=offs < n, other=1.0)
-    scale, reciprocal = _scale_and_reciprocal_fast(amax, amax == float("inf"), POW2)
-    tl.store(scale_ptr + offs, scale, mask=offs < n)
-    tl.store(reciprocal_ptr + offs, reciprocal, mask=offs < n)
-
-
-def _differ(got: torch.Tensor, want: torch.Tensor) -> int:
-    """How many values differ in their bits, NaN against NaN counting as equal (payloads differ between kernels)."""
-    both_nan = got.isnan() & want.isnan()
-    return int(((got.view(torch.int32) != want.view(torch.int32)) & ~both_nan).sum())
-
-
-def check_fast_scale_on_gpu() -> dict:
-    """``_scale_and_reciprocal_fast`` on the GPU against IEEE division (torch's CUDA ``/``), for every fp32
-    significand at amax's extreme and middle binades (subnormals, the tiny-amax path, the floor), 0 and inf, both
-    scale kinds -- the hardware's own reciprocal approximation included, which the CPU proof can only bound."""
-    sig = torch.arange(1 << 23, dtype=torch.int32, device="cuda")
-    parts = [sig[1:] >> 3, sig[1:]]  # subnormal amax (FTZ or not, the floor makes them all 2^-126)
-    parts += [sig | ((k + 127) << 23) for k in (-126, -118, -117, -110, -101, -100, -99, -60, -1, 0, 1, 60, 118, 127)]
-    amax = torch.cat(parts).view(torch.float32)
-    amax = torch.cat([amax, torch.tensor([0.0, float("inf")], device="cuda")])
-    result = {}
-    for pow2 in (False, True):
-        scale, reciprocal = torch.empty_like(amax), torch.empty_like(amax)
-        _fast_scale_kernel[(triton.cdiv(amax.numel(), 1024),)](amax, scale, reciprocal, amax.numel(), POW2=pow2)
-        want = torch.clamp_min(amax / 448.0, 2.0**-126)
-        if pow2:
-            b = want.view(torch.int32)
-            want = (((b >> 23) + ((b & 0x7FFFFF) != 0).int()) << 23).view(torch.float32)
-        want = torch.where(amax == float("inf"), float("nan"), want)
-        want_r = 1.0 / want
-        bad_s, bad_r = _differ(scale, want), _differ(reciprocal, want_r)
-        result[f"pow2={pow2}"] = {"values": amax.numel(), "scales_differ": bad_s, "reciprocals_differ": bad_r}
-    result["bit_equal"] = all(v["scales_differ"] == 0 and v["reciprocals_differ"] == 0 for v in result.values())
-    print("fast scales vs IEEE division on the GPU:", result, flush=True)
-    return result
-
-
-@triton.jit
-def _rows_fast(x, POW2: tl.constexpr):
-    """``_quantize_rows(x, POW2, False, True)`` with the division-free scales (GPU only)."""
-    amax = qt._amax(x, 1)
-    scale, reciprocal = _scale_and_reciprocal_fast(amax, amax == float("inf"), POW2)
-    return qt._code_bits(x * reciprocal[:, None], (scale != scale)[:, None], False, True), scale
-
-
-@triton.jit
-def _dual_fastdiv(x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr, M, K, stride_xm, stride_xk,
-                  num_k_groups, num_m_groups, POW2: tl.constexpr):
-    # the shipped ``_quantize_dual_kernel`` at CHUNK 128 with ``_rows_fast`` for its row function: a copy only while
-    # the candidate is unmeasured -- if taken, ``_scale_and_reciprocal`` itself gets the arithmetic (every quantizer
-    # kernel shares it) and this kernel goes
-    pid_k, pid_m = tl.program_id(0), tl.program_id(1)
-    rows = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
-    cols = pid_k.to(tl.int64) * 128 + tl.arange(0, 128)
-    row_ok, col_ok = rows < M, cols < K
-    mask = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
-    code_bits, scale = _rows_fast(x.to(tl.float32), POW2)
-    tl.store(codes_ptr + rows[:, None] * K + cols[None, :], code_bits, mask=mask)
-    tl.store(scales_ptr + rows * num_k_groups + pid_k, scale, mask=row_ok)
-    mask_t = col_ok[:, None] & row_ok[None, :]
-    xt = tl.load(x_ptr + rows[None, :] * stride_xm + cols[:, None] * stride_xk, mask=mask_t, other=0.0)
-    code_bits_t, scale_t = _rows_fast(xt.to(tl.float32), POW2)
-    tl.store(codes_t_ptr + cols[:, None] * M + rows[None, :], code_bits_t, mask=mask_t)
     tl.store(scales_t_ptr + cols * num_m_groups + pid_m, scale_t, mask=col_ok)
 
 
@@ -253,20 +146,13 @@ def dual_candidate(x, pow2, kind, chunk, warps):
     assert x.stride(1) == 1, "the candidates read x with unit column stride"
     outs = _outputs(x)
     gm, gk = triton.cdiv(x.shape[0], 128), triton.cdiv(x.shape[1], 128)
-    if kind == "fastdiv":
-        assert dev_is_gpu(x), "fastdiv needs the GPU (inline PTX)"
-        _dual_fastdiv[(gk, gm)](*_launch_args(x, outs), 1, gk, gm, POW2=pow2, num_warps=warps)
-    elif kind == "trans":
+    if kind == "trans":
         _dual_trans[(gk, gm)](*_launch_args(x, outs), 1, gk, gm, POW2=pow2, EXPLICIT_ROUND=explicit_round(),
                               num_warps=warps)
     else:
         _gluon_kernel()[(gk, gm)](*_launch_args(x, outs), gk, gm, POW2=pow2, EXPLICIT_ROUND=False, CHUNK=chunk,
                                   CONVERT=kind == "gluon_cvt", num_warps=warps)
     return outs
-
-
-def dev_is_gpu(x):
-    return x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def bits(t):
@@ -278,8 +164,6 @@ def bits(t):
 CANDIDATES = [("reload", 128, 8)] + [(g, c, w) for g in ("gluon", "gluon_cvt") for c in (32, 64, 128) for w in (4, 8)]
 if os.environ.get("CANDIDATES") == "reload":  # run BN: the shipped kernel's launch grid again, with the bare cast
     CANDIDATES = [("reload", c, w) for c in (32, 64, 128) for w in (4, 8, 16)]
-if os.environ.get("CANDIDATES") == "fastdiv":  # the division-free scales of bench/prove_fast_scale.py (GPU only)
-    CANDIDATES = [("reload", 128, 8), ("fastdiv", 128, 8), ("fastdiv", 128, 4)]
 if os.environ.get("CANDIDATES") == "all":
     CANDIDATES = ([("trans", 128, w) for w in (4, 8, 16)]
                   + [(kd, c, w) for kd in ("reload", "gluon", "gluon_cvt") for c in (32, 64, 128) for w in (4, 8, 16)])
@@ -297,10 +181,7 @@ def sass_mix() -> None:
     from jetrl.fp8.kernels import quant_triton
 
     for kind, chunk, warps in CANDIDATES:
-        if kind == "fastdiv":
-            fn, consts = _dual_fastdiv, {"POW2": False}
-            args = {**ptrs, **dims, "stride_xk": 1}
-        elif kind.startswith("gluon"):
+        if kind.startswith("gluon"):
             fn = _gluon_kernel()
             consts = {"POW2": False, "EXPLICIT_ROUND": False, "CHUNK": chunk, "CONVERT": kind == "gluon_cvt",
                       "num_warps": warps}
@@ -326,8 +207,6 @@ def main() -> None:
     gpu_shapes = [(200, 300), (9216, 4096), (9216, 6144), (9216, 12288), (9216, 24576)]
     shapes = [(256, 384), (196, 200)] if dev.type == "cpu" else gpu_shapes
     res = []
-    if dev.type == "cuda" and any(kind == "fastdiv" for kind, _, _ in CANDIDATES):
-        res.append({"kind": "fast scale check", **check_fast_scale_on_gpu()})
     for m, k in shapes:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16) * torch.logspace(-3, 3, k, device=dev).to(
             torch.bfloat16)
@@ -335,8 +214,8 @@ def main() -> None:
         for pow2 in (False, True):
             want = (*quantize_reference(x, 1, 128, pow2), *quantize_reference(x.t(), 1, 128, pow2))
             for kind, chunk, warps in CANDIDATES:
-                if (kind.startswith("gluon") or kind == "fastdiv") and dev.type == "cpu":
-                    continue  # no interpreter for Gluon, nor for inline PTX
+                if kind.startswith("gluon") and dev.type == "cpu":
+                    continue  # no interpreter for Gluon
                 row = {"m": m, "k": k, "pow2": pow2, "kind": kind, "chunk": chunk, "warps": warps}
                 try:
                     got = dual_candidate(x, pow2, kind, chunk, warps)

@@ -245,15 +245,19 @@ def test_gpu_branches_compile_for_hopper():
             assert "cvt.rn.f16x2.e4m3x2" in ptx and "ld.shared.u8" not in ptx and "ld.shared.b8" not in ptx
             # with o_proj's FP8 input written in the epilogue (hardware E4M3 conversion, no software rounding)
             quant = compile_like_launch(kernels._decode_attention_kernel, decode_attention_args(True),
-                                        {**constexprs, "NUM_SPLITS": 1, "QUANT": True, "QUANT_POW2": True},
-                                        num_warps=warps, num_stages=stages)
+                                        {**constexprs, "NUM_SPLITS": 1, "QUANT": True, "QUANT_POW2": True,
+                                         "RELEASE": True}, num_warps=warps, num_stages=stages)
             assert "cvt.rn.satfinite.e4m3x2.f32" in quant.asm["ptx"], kind
+            # as o_proj's producer it lets the PDL GEMM after it start (kernels/pdl.py); it never waits itself
+            qptx = quant.asm["ptx"]
+            assert "griddepcontrol.launch_dependents" in qptx and "griddepcontrol.wait" not in qptx
+            assert "griddepcontrol" not in ptx
     constexprs = {"DTYPE": tl.bfloat16, "NUM_SPLITS": 4, "SPLITS_P2": 4, "BLOCK_S": 64, "BLOCK_D": 128,
                   "EMULATE": False}
     for quant in (False, True):
-        merge = compile_for_sm90(kernels._merge_splits_kernel, {**constexprs, "QUANT": quant},
+        merge = compile_for_sm90(kernels._merge_splits_kernel, {**constexprs, "QUANT": quant, "RELEASE": quant},
                                  {"lengths_ptr": "*i64", "out_ptr": "*bf16", "codes_ptr": "*u8"})
-        assert merge.asm["cubin"]
+        assert merge.asm["cubin"] and ("griddepcontrol.launch_dependents" in merge.asm["ptx"]) == quant
 
 
 # SASS instructions per loop iteration (one tile of BLOCK_S positions, one warp) at the default tiles,

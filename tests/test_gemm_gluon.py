@@ -8,9 +8,11 @@ serialized); on an SM90 GPU its results are checked against the emulation.
 import pytest
 import torch
 
-from .conftest import requires_sm90
+from jetrl.bench.sass import compile_like_launch
 from jetrl.fp8.gemm import gemm_emulated
 from jetrl.fp8.quant import BLOCK, quantize
+
+from .conftest import requires_sm90
 
 pytest.importorskip("triton")
 gluon_gemm = pytest.importorskip("jetrl.fp8.kernels.gemm_gluon", reason="needs Triton with Gluon (>= 3.6)")
@@ -18,11 +20,9 @@ gluon_gemm = pytest.importorskip("jetrl.fp8.kernels.gemm_gluon", reason="needs T
 REL_BOUND = 2e-3  # fp32 tensor-core sums within each 128-group, as cuBLAS's block-scaled path
 
 
-def _compile(cfg, m=256, n=4096, k=12288, col_major_scales=True):
+def _compile(cfg, m=256, n=4096, k=12288, col_major_scales=True, pdl=False):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from jetrl.bench.sass import compile_like_launch
 
     def desc(rows, count):
         t = torch.empty(count, k, dtype=torch.float8_e4m3fn)
@@ -35,7 +35,7 @@ def _compile(cfg, m=256, n=4096, k=12288, col_major_scales=True):
             "out_ptr": torch.empty(1, dtype=torch.bfloat16), "M": m, "N": n, "K": k,
             "stride_sam": 1 if col_major_scales else groups, "stride_sak": m if col_major_scales else 1,
             "stride_sbn": groups, "stride_om": n}
-    constexprs = {"STAGES": cfg.stages, "UNROLL": cfg.unroll, "num_warps": 4}
+    constexprs = {"STAGES": cfg.stages, "UNROLL": cfg.unroll, "num_warps": 4, "PDL": pdl}
     return compile_like_launch(gluon_gemm._gemm_kernel, args, constexprs, num_warps=4, num_stages=1)
 
 
@@ -51,6 +51,37 @@ def test_loop_keeps_two_wgmma_groups_in_flight(cfg):
     assert qgmma >= 8, "expected 4 k32 QGMMAs per group, two groups per loop iteration"
     assert code.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") >= 1, "no wait that leaves the second group in flight"
     assert code.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") < qgmma // 4, "ptxas serialized the wgmma pipeline (C7514)"
+
+
+def test_pdl_launch_reads_only_the_weight_before_its_wait():
+    """With PDL (kernels/pdl.py) every partition executes ``griddepcontrol.wait`` and then releases its dependents;
+    no partition reads an activation tile or a scale before its wait, and the producer loads the weight's first
+    groups (TMA, the weight's descriptor only) before it."""
+    import re
+
+    for cfg in (gluon_gemm.GluonConfig(64, 32, 8, 4), gluon_gemm.GluonConfig(128, 64, 8, 4)):
+        ptx = _compile(cfg, m=64 * (cfg.block_m // 64), n=4096, k=4096, pdl=True).asm["ptx"]
+        params = dict(re.findall(r"mov\.b64\s+(%rd\d+), _gemm_kernel_param_(\d+);", ptx))
+        params.update({dst: params[src] for dst, src in re.findall(r"cvta\.param\.u64\s+(%rd\d+), (%rd\d+);", ptx)
+                       if src in params})
+        lines = ptx.splitlines()
+        waits = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
+        order = [line.split(";")[0].strip() for line in lines if "griddepcontrol" in line]
+        partitions = cfg.block_m // 64 + 1  # the consumer warpgroups and the producer
+        assert order == ["griddepcontrol.wait", "griddepcontrol.launch_dependents"] * partitions, \
+            "each partition waits, then releases"
+        first = lines[:waits[0]]  # the kernel's prologue and the first consumer partition's
+        assert not [line for line in first if "ld.global" in line or "cp.async" in line], "a load before the wait"
+        releases = [i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line]
+        # the producer partition comes last: from the release before its wait to that wait, only the weight's loads
+        producer_prologue = lines[max(r for r in releases if r < waits[-1]):waits[-1]]
+        descriptor = re.compile(r"cp\.async\.bulk\.tensor.*\[(%rd\d+), \{")
+        early = [descriptor.search(line).group(1) for line in producer_prologue if descriptor.search(line)]
+        assert early, "no weight load before the wait: the ring is not filled early"
+        loop = [descriptor.search(line).group(1) for line in lines[waits[-1]:] if descriptor.search(line)]
+        loaded = {params[r] for r in loop}
+        assert len(loaded) == 2 and "0" in loaded, "the producer's loop loads the activation (parameter 0) and weight"
+        assert {params[r] for r in early} == loaded - {"0"}, "a load before the wait reads the activation"
 
 
 def test_an_older_triton_leaves_the_gluon_kernel_out(monkeypatch):
@@ -130,3 +161,50 @@ def test_fp8_gemm_dispatches_mid_m_shapes_to_the_gluon_kernel(monkeypatch):
     out = fp8_gemm(a, b)
     assert calls, "fp8_gemm did not take the Gluon kernel"
     assert torch.equal(out, real(a.codes, a.scales, b.codes, b.scales, config=gemm.gluon_tiles(256, 4096, 4096)))
+
+
+@requires_sm90
+@pytest.mark.parametrize("m,n,k", [(64, 4096, 4096), (256, 4096, 12288), (48, 6144, 4096)])
+def test_pdl_gemm_waits_for_the_kernel_that_writes_its_input(m, n, k):
+    """A CUDA graph of the input's quantization (which releases its dependents first thing) and the PDL-launched
+    GEMM, replayed with a new input each time: every replay's output is the plain launch's of that input, bit for
+    bit (a GEMM that read its input before the quantization finished would return the previous replay's)."""
+    from jetrl.fp8.kernels.pdl import pdl_enabled, use_pdl
+    from jetrl.fp8.kernels.quant_triton import quantize_triton
+
+    dev = torch.device("cuda")
+    assert pdl_enabled(dev), "PDL should be on by default on an SM90 GPU"
+    torch.manual_seed(k)
+    w = quantize(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02, (BLOCK, BLOCK))
+    x = torch.empty(m, k, device=dev, dtype=torch.bfloat16)
+    codes = torch.empty(m, k, device=dev, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(m, k // BLOCK, device=dev)
+
+    def step(pdl):
+        quantize_triton(x, 1, BLOCK, False, out=(codes, scales))  # releases the GEMM early inside use_pdl(True)
+        return gluon_gemm.gemm_mid_m(codes, scales, w.codes, w.scales, pdl=pdl)  # PDL at any M when asked
+
+    inputs = [torch.randn(m, k, device=dev, dtype=torch.bfloat16) * (i + 1) for i in range(6)]
+    want = []
+    with use_pdl(False):
+        for v in inputs:
+            x.copy_(v)
+            want.append(step(False).clone())
+    with use_pdl(True):
+        x.copy_(inputs[0])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step(True)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step(True)
+    for v, expected in zip(inputs, want):
+        x.copy_(v)
+        graph.replay()
+        assert torch.equal(out, expected)
+    for v, expected in zip(inputs, want):  # eager PDL launches too
+        x.copy_(v)
+        with use_pdl(True):
+            assert torch.equal(step(True), expected)

@@ -194,6 +194,56 @@ def test_gpu_paths_compile_for_hopper():
     assert norm.asm["cubin"] and silu.asm["cubin"]
 
 
+def test_pdl_release_only_in_kernels_that_write_no_weight(monkeypatch):
+    """The kernels that write a decode GEMM's input release its PDL launch first thing (jetrl/fp8/kernels/pdl.py);
+    the 128x128 weight quantization never does, even when asked, so a GEMM never reads a weight before the kernel
+    writing it has finished. None of them waits: they are launched plainly. The norms and SwiGLU take the release
+    as a runtime flag (one binary in the trainer and the engine), set only up to PDL_MAX_M rows."""
+    pytest.importorskip("triton")
+    import triton.language as tl
+
+    from jetrl.fp8.kernels import quant_triton
+    from jetrl.models.kernels import fused_triton
+
+    def ptx(fn, constexprs, pointers, **kw):
+        return compile_for_sm90(fn, constexprs, pointers, **kw).asm["ptx"]
+
+    quant = {"TILE_R": 32, "POW2": False, "EXPLICIT_ROUND": False}
+    pointers = {"x_ptr": "*bf16", "codes_ptr": "*u8"}
+    bf16 = {"X_DTYPE": tl.bfloat16, "OUT_DTYPE": tl.bfloat16, "EMULATE": False, "ADD": True, "EXPLICIT_ROUND": False}
+    for release in (False, True):  # the activation quantization: a constexpr, compiled out where off
+        code = ptx(quant_triton._quantize_kernel, {**quant, "GROUP_ROWS": 1, "GROUP_COLS": 128, "RELEASE": release},
+                   pointers)
+        assert ("griddepcontrol.launch_dependents" in code) == release and "griddepcontrol.wait" not in code
+    runtime_flag = {
+        "rms norm": ptx(fused_triton._rms_norm_kernel, {"BLOCK_R": 1, "BLOCK_C": 4096, **bf16},
+                        {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "d_ptr": "*bf16", "h_ptr": "*bf16",
+                         "codes_ptr": "*u8"}, floats=("eps",)),
+        "swiglu": ptx(fused_triton._silu_mul_kernel, {"BLOCK": 1024, "DTYPE": tl.bfloat16, "EMULATE": False,
+                                                      "EXPLICIT_ROUND": False},
+                      {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*bf16", "codes_ptr": "*u8"}),
+    }
+    for name, code in runtime_flag.items():
+        assert code.count("griddepcontrol.launch_dependents") == 1 and "griddepcontrol.wait" not in code, name
+    # a launch must not specialize early = 1 into a binary of its own (Triton makes an int argument equal to 1 a
+    # constexpr unless told not to): the norms' row sums would then be compiled twice
+    for kernel in (fused_triton._rms_norm_kernel, fused_triton._silu_mul_kernel):
+        flags = {p.name: p.do_not_specialize for p in kernel.params}
+        assert flags["early"] and flags["quant"], kernel.fn.__name__
+    weight = ptx(quant_triton._quantize_kernel, {**quant, "TILE_R": 128, "GROUP_ROWS": 128, "GROUP_COLS": 128,
+                                                 "RELEASE": True}, pointers)
+    assert "griddepcontrol" not in weight, "the weight quantization released a PDL GEMM that may read its output"
+
+    import torch
+
+    from jetrl.fp8.kernels import pdl  # the row gate
+
+    cuda = torch.device("cuda", 0)
+    assert not pdl.release_rows(torch.device("cpu"), 1) and not pdl.pdl_enabled(torch.device("cpu"))
+    monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
+    assert pdl.release_rows(cuda, pdl.PDL_MAX_M) and not pdl.release_rows(cuda, pdl.PDL_MAX_M + 1)
+
+
 TRANSPOSE_SCRIPT = r"""
 import torch
 from jetrl.fp8.kernels.transpose_triton import transpose_triton

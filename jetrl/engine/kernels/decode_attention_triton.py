@@ -102,6 +102,7 @@ import triton
 import triton.language as tl
 
 from jetrl.engine.decode_attention import quantize_output
+from jetrl.fp8.kernels.pdl import release, release_rows
 from jetrl.fp8.kernels.quant_triton import explicit_round, quantize_rows
 from jetrl.fp8.kernels.rounding import INTERPRET, round_to
 from jetrl.fp8.quant import BLOCK as GROUP
@@ -256,8 +257,9 @@ def _decode_attention_kernel(
     G: tl.constexpr, DTYPE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr, POW2_SCALES: tl.constexpr, ROW_ORDER: tl.constexpr,
     EMULATE: tl.constexpr, P_TERMS: tl.constexpr, QUANT: tl.constexpr = False, QUANT_POW2: tl.constexpr = False,
-    EXPLICIT_ROUND: tl.constexpr = False,
+    EXPLICIT_ROUND: tl.constexpr = False, RELEASE: tl.constexpr = False,
 ):
+    release(RELEASE)  # as the last kernel (one split): o_proj's decode GEMM may start loading its weight (pdl.py)
     pid, split = tl.program_id(0), tl.program_id(1)
     b = pid // num_kv_heads
     if ROW_ORDER:  # the rows in the order given (longest first: module docstring)
@@ -324,9 +326,10 @@ def _merge_splits_kernel(
     codes_ptr, codes_scales_ptr, stride_csr, stride_csc,
     DTYPE: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr, EMULATE: tl.constexpr, QUANT: tl.constexpr = False, QUANT_POW2: tl.constexpr = False,
-    EXPLICIT_ROUND: tl.constexpr = False,
+    EXPLICIT_ROUND: tl.constexpr = False, RELEASE: tl.constexpr = False,
 ):
     """One program per (b, h): out = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M) over the used splits."""
+    release(RELEASE)  # o_proj's decode GEMM may start loading its weight (pdl.py)
     pid = tl.program_id(0).to(tl.int64)  # b * H + h
     b, h = pid // H, pid % H
     n_valid = (tl.minimum(tl.maximum(tl.load(lengths_ptr + b * stride_lb), 0), S - 1) + 1).to(tl.int32)
@@ -431,13 +434,13 @@ def decode_attention_triton(
         G=G, DTYPE=dtype, BLOCK_G=triton.next_power_of_2(G), BLOCK_S=block_s, BLOCK_D=block_d,
         NUM_SPLITS=num_splits, IS_FP8=is_fp8, POW2_SCALES=pow2_path, ROW_ORDER=row_order is not None,
         EMULATE=_EMULATE, P_TERMS=POW2_P_TERMS if p_terms is None else p_terms, **attn_kw,
-        num_warps=num_warps, num_stages=num_stages,
+        RELEASE=num_splits == 1 and release_rows(q.device, B), num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(B * H,)](
             part_out, part_lse, lengths, out, H, S, D, lengths.stride(0), *out.stride(), *codes_args,
             DTYPE=dtype, NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits), BLOCK_S=block_s,
-            BLOCK_D=block_d, EMULATE=_EMULATE, **quant_kw, num_warps=merge_warps,
+            BLOCK_D=block_d, EMULATE=_EMULATE, **quant_kw, RELEASE=release_rows(q.device, B), num_warps=merge_warps,
         )
     if quantized is not None and epilogue is None:
         quantize_output(out, quantized)

@@ -49,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from jetrl.fp8.kernels.gluon_tiles import GROUP, GluonConfig, operand_problem
+from jetrl.fp8.kernels.pdl import PDL_MAX_M, pdl_enabled
 
 _G = gl.constexpr(GROUP)  # the same inside kernels
 
@@ -62,8 +63,34 @@ def _tile_origin(t, M, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _gdc_wait():
+    """``griddepcontrol.wait``: the kernel launched before this one (programmatic dependent launch) has completed
+    and its writes are visible. A no-op in a plain launch."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def _gdc_launch_dependents():
+    """``griddepcontrol.launch_dependents``: the next kernel may start once every CTA of this one has said so."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
 def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_k,
-              STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+              STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PDL: gl.constexpr):
+    early = 0  # groups of the first tile whose weight load is issued before the dependency wait
+    if PDL:
+        # The weight is written by no kernel in flight (pdl.py), so the first tile's weight groups fill the ring
+        # while the kernel before this one still runs; the activations are loaded only after griddepcontrol.wait.
+        _, first_n = _tile_origin(gl.program_id(0), M, BLOCK_M, BLOCK_N)
+        early = gl.minimum(num_k, STAGES)
+        for s in range(early):
+            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(b_desc, [first_n, s * _G], ready.index(s), b_bufs.index(s))
+        _gdc_wait()
+        _gdc_launch_dependents()
     c = 0  # groups loaded so far: slot c % STAGES, its (c // STAGES)-th use
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m, off_n = _tile_origin(t, M, BLOCK_M, BLOCK_N)
@@ -71,9 +98,10 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_k,
             s = c % STAGES
             # a slot's first use passes at once: a fresh barrier counts as having completed phase "1"
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            if c >= early:  # the first tile's first groups' weight loads were issued before the wait (PDL)
+                mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(b_desc, [off_n, g * _G], ready.index(s), b_bufs.index(s))
             tma.async_copy_global_to_shared(a_desc, [off_m, g * _G], ready.index(s), a_bufs.index(s))
-            tma.async_copy_global_to_shared(b_desc, [off_n, g * _G], ready.index(s), b_bufs.index(s))
             c += 1
 
 
@@ -103,7 +131,7 @@ def _retire(p, acc, empty, c, g, sa_rows, row_ok, sb_tile, stride_sak, OUTSTANDI
 def _consumer(a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, M, N, num_tiles, num_k,
               stride_sam, stride_sak, stride_sbn, stride_om,
               WG: gl.constexpr, UNROLL: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr):
+              BLOCK_N: gl.constexpr, PDL: gl.constexpr):
     """One warpgroup: rows [64 WG, + 64) of each of the CTA's tiles, groups in runs of UNROLL (2 or 4).
 
     Within a run two tiles alternate: group j+1's wgmma runs while group j is rescaled, so only the
@@ -115,6 +143,9 @@ def _consumer(a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, M, N, num_t
                                                      instr_shape=[16, BLOCK_N, 32])
     ta = gl.zeros([64, BLOCK_N], gl.float32, layout)
     tb = gl.zeros([64, BLOCK_N], gl.float32, layout)
+    if PDL:  # the activation scales come from the kernel before this one
+        _gdc_wait()
+        _gdc_launch_dependents()
     c = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m, off_n = _tile_origin(t, M, BLOCK_M, BLOCK_N)
@@ -144,7 +175,7 @@ def _consumer(a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, M, N, num_t
 
 @gluon.jit
 def _gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, out_ptr, M, N, K, stride_sam, stride_sak, stride_sbn, stride_om,
-                 STAGES: gl.constexpr, UNROLL: gl.constexpr, num_warps: gl.constexpr):
+                 STAGES: gl.constexpr, UNROLL: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False):
     """Persistent: CTA i computes tiles i, i + grid, i + 2 grid, ... (one tile each when they fit one wave)."""
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
@@ -161,18 +192,18 @@ def _gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, out_ptr, M, N, K, stride_sam, s
     if WARPGROUPS == 2:  # two consumer partitions: each waits on its own wgmma, so they interleave
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, M, N, num_tiles, num_k,
-                         stride_sam, stride_sak, stride_sbn, stride_om, 0, UNROLL, STAGES, BLOCK_M, BLOCK_N)),
+                         stride_sam, stride_sak, stride_sbn, stride_om, 0, UNROLL, STAGES, BLOCK_M, BLOCK_N, PDL)),
             (_consumer, (a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, M, N, num_tiles, num_k,
-                         stride_sam, stride_sak, stride_sbn, stride_om, 1, UNROLL, STAGES, BLOCK_M, BLOCK_N)),
+                         stride_sam, stride_sak, stride_sbn, stride_om, 1, UNROLL, STAGES, BLOCK_M, BLOCK_N, PDL)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_k, STAGES, BLOCK_M,
-                         BLOCK_N)),
+                         BLOCK_N, PDL)),
         ], [4, 1], [224, 24])
     else:
         gl.warp_specialize([
             (_consumer, (a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, M, N, num_tiles, num_k,
-                         stride_sam, stride_sak, stride_sbn, stride_om, 0, UNROLL, STAGES, BLOCK_M, BLOCK_N)),
+                         stride_sam, stride_sak, stride_sbn, stride_om, 0, UNROLL, STAGES, BLOCK_M, BLOCK_N, PDL)),
             (_producer, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_k, STAGES, BLOCK_M,
-                         BLOCK_N)),
+                         BLOCK_N, PDL)),
         ], [1], [24])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -194,8 +225,12 @@ def descriptors(a_codes: torch.Tensor, b_codes: torch.Tensor, cfg: GluonConfig) 
 
 
 def gemm_mid_m(a_codes: torch.Tensor, a_scales: torch.Tensor, b_codes: torch.Tensor, b_scales: torch.Tensor,
-               out_dtype: torch.dtype = torch.bfloat16, config: GluonConfig | None = None) -> torch.Tensor:
-    """out[M, N] = deq(a) @ deq(b)^T for a (M, K) 1x128 and b (N, K) 128x128 (row-major codes), K % 256 == 0."""
+               out_dtype: torch.dtype = torch.bfloat16, config: GluonConfig | None = None, *,
+               pdl: bool | None = None) -> torch.Tensor:
+    """out[M, N] = deq(a) @ deq(b)^T for a (M, K) 1x128 and b (N, K) 128x128 (row-major codes), K % 256 == 0.
+
+    ``pdl``: launch with programmatic dependent launch (kernels/pdl.py; the weight's first groups are loaded
+    before the kernel waits for the one before it); None = where ``pdl_enabled`` says so, up to ``PDL_MAX_M`` rows."""
     m, k = a_codes.shape
     n = b_codes.shape[0]
     assert b_codes.shape[1] == k, (a_codes.shape, b_codes.shape)
@@ -214,6 +249,9 @@ def gemm_mid_m(a_codes: torch.Tensor, a_scales: torch.Tensor, b_codes: torch.Ten
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
     grid = (min(tiles, _sm_count(a_codes.device)),)
     unroll = cfg.unroll if k % (cfg.unroll * GROUP) == 0 else 2
+    if pdl is None:
+        pdl = m <= PDL_MAX_M and pdl_enabled(a_codes.device)
     _gemm_kernel[grid](a_desc, b_desc, a_scales, b_scales, out, m, n, k, a_scales.stride(0), a_scales.stride(1),
-                       b_scales.stride(0), out.stride(0), STAGES=cfg.stages, UNROLL=unroll, num_warps=4)
+                       b_scales.stride(0), out.stride(0), STAGES=cfg.stages, UNROLL=unroll, num_warps=4,
+                       **({"PDL": True, "launch_pdl": True} if pdl else {}))
     return out

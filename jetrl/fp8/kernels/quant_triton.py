@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from jetrl.fp8.kernels.pdl import release, release_rows
 from jetrl.fp8.quant import E4M3, E4M3_MAX, SCALE_FLOOR
 
 E4M3_MAX_C = tl.constexpr(E4M3_MAX)
@@ -142,8 +143,9 @@ def _quantize_kernel(
     x_ptr, codes_ptr, scales_ptr,
     R, C, stride_xr, stride_xc, stride_sr, stride_sc,
     GROUP_ROWS: tl.constexpr, GROUP_COLS: tl.constexpr, TILE_R: tl.constexpr, POW2: tl.constexpr,
-    EXPLICIT_ROUND: tl.constexpr,
+    EXPLICIT_ROUND: tl.constexpr, RELEASE: tl.constexpr = False,
 ):
+    release(RELEASE and GROUP_ROWS == 1)  # an activation's groups, never a weight's blocks (pdl.py)
     pid_c, pid_r = tl.program_id(0), tl.program_id(1)  # column groups vary fastest: sequential reads
     rows = pid_r.to(tl.int64) * TILE_R + tl.arange(0, TILE_R)  # int64: offsets of >= 2^31 elements
     cols = pid_c * GROUP_COLS + tl.arange(0, GROUP_COLS)
@@ -247,7 +249,7 @@ def quantize_triton(
     _quantize_kernel[grid](
         x, codes.view(torch.uint8), scales, rows, cols, x.stride(0), x.stride(1), scales.stride(0), scales.stride(1),
         GROUP_ROWS=br, GROUP_COLS=bc, TILE_R=tile_r, POW2=pow2_scale, EXPLICIT_ROUND=explicit_round(),
-        num_warps=num_warps or (8 if br == 128 else 4),
+        num_warps=num_warps or (8 if br == 128 else 4), RELEASE=br == 1 and release_rows(x.device, rows),
     )
     return codes, scales
 
