@@ -2,7 +2,8 @@
 (``JETRL_QUANT_BACKEND``), the FP8 GEMM (``JETRL_GEMM_BACKEND``, ``jetrl.fp8.override_backend``), the
 decode attention (``JETRL_DECODE_ATTENTION``, ``use_decode_attention_backend``) and the fused
 RMSNorm/RoPE/SwiGLU and chosen-token logprob kernels (``JETRL_FUSED_OPS``, ``use_fused_ops``); and
-one switch that is not a backend, the BF16 sibling stacks (``JETRL_BF16_STACKS``, models/stacked_projections.py).
+switches that are not backends: the BF16 sibling stacks (``JETRL_BF16_STACKS``, models/stacked_projections.py) and
+programmatic dependent launch of the decode GEMMs (``JETRL_PDL``, ``use_pdl``, fp8/kernels/pdl.py).
 
 * :func:`env_choice` reads a backend's environment variable and rejects a value it does not know
   with one actionable message, naming the variable and the choices.

@@ -240,6 +240,11 @@ def test_pdl_release_only_in_kernels_that_write_no_weight(monkeypatch):
 
     cuda = torch.device("cuda", 0)
     assert not pdl.release_rows(torch.device("cpu"), 1) and not pdl.pdl_enabled(torch.device("cpu"))
+    monkeypatch.setenv("JETRL_PDL", "yes")  # read once per CUDA device: a typo is an actionable error, not "off"
+    monkeypatch.setattr(pdl, "_resolved", {})
+    monkeypatch.setattr(pdl, "HAS_GDC", True)
+    with pytest.raises(ValueError, match="JETRL_PDL='yes' is not a valid choice; use one of 0, 1"):
+        pdl.pdl_enabled(cuda)
     monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
     assert pdl.release_rows(cuda, pdl.PDL_MAX_M) and not pdl.release_rows(cuda, pdl.PDL_MAX_M + 1)
 
