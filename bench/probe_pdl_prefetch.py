@@ -13,13 +13,16 @@ before it -- which writes its input and releases it early -- still runs; only th
    ``jet_kv`` at B = 64 (the RL step's rollout) and 256 (bench (d)), as the library runs it: PDL-launched GEMMs up
    to ``PDL_MAX_M`` rows (at B = 256 only the producers' early release remains, which no jetrl kernel there waits on).
 
-Each configuration is timed off, on, off, on (the mean of each pair kept), and the PDL outputs (GEMMs, the step's
-logits) are checked bit for bit against the plain launch's. GPU only; writes $OUT/probe_pdl_prefetch.json.
+Each configuration is timed off, on, on, off (the mean of each pair kept; runs BQ-BT timed off, on, off, on, and
+their two B = 256 arms differed by 0.6-2.6% even where they ran the same code, run BT: a drift against the arm timed
+second, or the two engines' placement), and the PDL outputs (GEMMs, the step's logits) are checked bit for bit
+against the plain launch's. GPU only; writes $OUT/probe_pdl_prefetch.json.
 
     PYTHONPATH=. OUT=$OUT python3 bench/probe_pdl_prefetch.py
 
 ``SECTIONS=steps`` skips the GEMMs, ``STEP_BATCHES=256`` picks the batches, ``ON_FIRST=1`` builds the PDL engine
-first (the two engines coexist, so their build order is a bias to rule out).
+first (the two engines coexist, so their build order is a bias to rule out), ``PDL_MAX_M=256`` PDL-launches the
+GEMMs (and releases their producers) up to that many rows in the "on" arm -- the question left open at B = 256.
 
 Run BP measured the first form of this probe (section 1 only, with more variants: the input's quantization
 PDL-launched itself, waiting before or after its release, and the GEMM asking L2 for 8-32 more groups of its weight
@@ -40,18 +43,22 @@ from jetrl.bench.shapes import h200_config
 from jetrl.bench.timing import graph_time_us, time_ms
 from jetrl.fp8 import precision_phase
 from jetrl.fp8.gemm import gluon_tiles
+from jetrl.fp8.kernels import pdl
 from jetrl.fp8.kernels.gemm_gluon import gemm_mid_m
-from jetrl.fp8.kernels.pdl import pdl_enabled, use_pdl
+from jetrl.fp8.kernels.pdl import use_pdl
 from jetrl.fp8.kernels.quant_triton import quantize_triton
 from jetrl.fp8.quant import quantize
 
 DEV = torch.device("cuda")
 
 
+ORDER = (False, True, True, False)  # ABBA: a drift over the measurement (the GPU warming up) cancels to first order
+
+
 def ab(measure) -> tuple[float, float]:
-    """(off, on): each the mean of two measurements, taken off, on, off, on."""
+    """(off, on): each the mean of two measurements, taken off, on, on, off."""
     times = {False: [], True: []}
-    for on in (False, True, False, True):
+    for on in ORDER:
         with use_pdl(on):
             times[on].append(measure())
     return statistics.mean(times[False]), statistics.mean(times[True])
@@ -68,11 +75,11 @@ def rotate(fn, items):
 
 
 def layer_chain(layer, xs, cfgs):
-    """The four GEMMs of one layer, each after its input's quantization (the launches a Float8Linear makes); PDL
-    as ``use_pdl`` says at every M (the library's default stops at ``PDL_MAX_M`` rows)."""
+    """The four GEMMs of one layer, each after its input's quantization (the launches a Float8Linear makes), as the
+    library launches them: PDL where ``use_pdl`` allows it, up to ``pdl.PDL_MAX_M`` rows (``PDL_MAX_M`` above)."""
     for (wq, cfg), x in zip(zip(layer, cfgs), xs):
         codes, scales = quantize_triton(x, 1, 128, False)
-        gemm_mid_m(codes, scales, wq.codes, wq.scales, config=cfg, pdl=pdl_enabled(DEV))
+        gemm_mid_m(codes, scales, wq.codes, wq.scales, config=cfg)
 
 
 def gemms(cfg, results):
@@ -123,7 +130,7 @@ def steps(cfg, results):
                         logits[on] = engines[on].graphs(batch)[:batch].clone()  # captured under this setting
                 same = torch.equal(logits[False], logits[True])
                 measured = {on: [] for on in (False, True)}
-                for on in (False, True, False, True):
+                for on in ORDER:
                     measured[on].append(time_ms(partial(engines[on].graphs, batch), DEV, iters=20, warmup=2))
             off, on = statistics.mean(measured[False]), statistics.mean(measured[True])
             results.append({"what": f"decode step {recipe}", "batch": batch, "off_ms": off, "on_ms": on,
@@ -138,6 +145,8 @@ def steps(cfg, results):
 
 
 def main() -> None:
+    if os.environ.get("PDL_MAX_M"):
+        pdl.PDL_MAX_M = int(os.environ["PDL_MAX_M"])  # read at every launch (gemm_gluon.py, pdl.release_rows)
     cfg = h200_config()
     results: list[dict] = []
     try:

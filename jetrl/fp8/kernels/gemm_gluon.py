@@ -48,8 +48,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from jetrl.fp8.kernels import pdl as _pdl
 from jetrl.fp8.kernels.gluon_tiles import GROUP, GluonConfig, operand_problem
-from jetrl.fp8.kernels.pdl import PDL_MAX_M, pdl_enabled
 
 _G = gl.constexpr(GROUP)  # the same inside kernels
 
@@ -250,7 +250,7 @@ def gemm_mid_m(a_codes: torch.Tensor, a_scales: torch.Tensor, b_codes: torch.Ten
     grid = (min(tiles, _sm_count(a_codes.device)),)
     unroll = cfg.unroll if k % (cfg.unroll * GROUP) == 0 else 2
     if pdl is None:
-        pdl = m <= PDL_MAX_M and pdl_enabled(a_codes.device)
+        pdl = m <= _pdl.PDL_MAX_M and _pdl.pdl_enabled(a_codes.device)
     _gemm_kernel[grid](a_desc, b_desc, a_scales, b_scales, out, m, n, k, a_scales.stride(0), a_scales.stride(1),
                        b_scales.stride(0), out.stride(0), STAGES=cfg.stages, UNROLL=unroll, num_warps=4,
                        **({"PDL": True, "launch_pdl": True} if pdl else {}))
