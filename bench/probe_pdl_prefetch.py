@@ -8,10 +8,11 @@ before it -- which writes its input and releases it early -- still runs; only th
 
 1. One 8B layer's decode GEMMs as a Float8Linear forward runs them, each after its input's quantization (quantize
    -> qkv -> quantize -> o -> quantize -> gate_up -> quantize -> down), over weight copies that do not fit L2,
-   under CUDA-graph replay, at the M where the Gluon kernel is picked (33-256): the sum of bench (c)'s ``fp8`` column.
+   under CUDA-graph replay, at M = 48-256, all four on the Gluon kernel (bench (c)'s ``fp8`` column takes cuBLAS for
+   qkv and gate_up at M = 256).
 2. The engine's decode step (8B-shaped random Qwen3, 36 layers, mean context 640) for ``bf16``, ``jet`` and
-   ``jet_kv`` at B = 64 (the RL step's rollout) and 256 (bench (d)), as the library runs it: PDL-launched GEMMs up
-   to ``PDL_MAX_M`` rows (at B = 256 only the producers' early release remains, which no jetrl kernel there waits on).
+   ``jet_kv`` at B = 64 (the RL step's rollout) and 256 (bench (d)), as the library runs it: PDL-launched GEMMs and
+   releasing producers up to ``PDL_MAX_M`` rows (at B = 256, by default, the two arms run the same launches).
 
 Each configuration is timed off, on, on, off (the mean of each pair kept; runs BQ-BT timed off, on, off, on, and
 their two B = 256 arms differed by 0.6-2.6% even where they ran the same code, run BT: a drift against the arm timed

@@ -35,4 +35,4 @@ def compile_for_sm90(fn, constexprs: dict, pointers: dict, floats: tuple = (), *
 
     args = {name: example(name) for name in fn.arg_names if name not in constexprs}
     return compile_like_launch(fn, args, constexprs, num_warps=options.get("num_warps", 4),
-                               num_stages=options.get("num_stages", 2))
+                               num_stages=options.get("num_stages", 2), arch=options.get("arch", 90))

@@ -215,16 +215,27 @@ def test_pdl_release_only_in_kernels_that_write_no_weight(monkeypatch):
         code = ptx(quant_triton._quantize_kernel, {**quant, "GROUP_ROWS": 1, "GROUP_COLS": 128, "RELEASE": release},
                    pointers)
         assert ("griddepcontrol.launch_dependents" in code) == release and "griddepcontrol.wait" not in code
-    runtime_flag = {
-        "rms norm": ptx(fused_triton._rms_norm_kernel, {"BLOCK_R": 1, "BLOCK_C": 4096, **bf16},
-                        {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "d_ptr": "*bf16", "h_ptr": "*bf16",
-                         "codes_ptr": "*u8"}, floats=("eps",)),
-        "swiglu": ptx(fused_triton._silu_mul_kernel, {"BLOCK": 1024, "DTYPE": tl.bfloat16, "EMULATE": False,
-                                                      "EXPLICIT_ROUND": False},
-                      {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*bf16", "codes_ptr": "*u8"}),
-    }
-    for name, code in runtime_flag.items():
-        assert code.count("griddepcontrol.launch_dependents") == 1 and "griddepcontrol.wait" not in code, name
+    for gdc in (False, True):  # the norms and SwiGLU: a runtime flag, compiled in only for SM90+ devices (GDC)
+        runtime_flag = {
+            "rms norm": ptx(fused_triton._rms_norm_kernel, {"BLOCK_R": 1, "BLOCK_C": 4096, **bf16, "GDC": gdc},
+                            {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "d_ptr": "*bf16",
+                             "h_ptr": "*bf16", "codes_ptr": "*u8"}, floats=("eps",)),
+            "swiglu": ptx(fused_triton._silu_mul_kernel, {"BLOCK": 1024, "DTYPE": tl.bfloat16, "EMULATE": False,
+                                                          "EXPLICIT_ROUND": False, "GDC": gdc},
+                          {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*bf16", "codes_ptr": "*u8"}),
+        }
+        for name, code in runtime_flag.items():  # ptxas rejects griddepcontrol below sm_90: absent without GDC
+            assert code.count("griddepcontrol.launch_dependents") == int(gdc) and "griddepcontrol.wait" not in code, \
+                name
+    # an Ada GPU (sm_89, the oldest the fused kernels run on: models/fused.py) compiles the norm as it is launched
+    # there, GDC off; with the instruction in, ptxas would refuse it
+    norm = {"BLOCK_R": 1, "BLOCK_C": 4096, **bf16}
+    norm_ptrs = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "d_ptr": "*bf16", "h_ptr": "*bf16",
+                 "codes_ptr": "*u8"}
+    assert compile_for_sm90(fused_triton._rms_norm_kernel, {**norm, "GDC": False}, norm_ptrs, floats=("eps",),
+                            arch=89).asm["cubin"]
+    with pytest.raises(Exception, match="griddepcontrol"):
+        compile_for_sm90(fused_triton._rms_norm_kernel, {**norm, "GDC": True}, norm_ptrs, floats=("eps",), arch=89)
     # a launch must not specialize early = 1 into a binary of its own (Triton makes an int argument equal to 1 a
     # constexpr unless told not to): the norms' row sums would then be compiled twice
     for kernel in (fused_triton._rms_norm_kernel, fused_triton._silu_mul_kernel):
@@ -239,12 +250,19 @@ def test_pdl_release_only_in_kernels_that_write_no_weight(monkeypatch):
     from jetrl.fp8.kernels import pdl  # the row gate
 
     cuda = torch.device("cuda", 0)
-    assert not pdl.release_rows(torch.device("cpu"), 1) and not pdl.pdl_enabled(torch.device("cpu"))
+    cpu = torch.device("cpu")
+    assert not pdl.release_rows(cpu, 1) and not pdl.pdl_enabled(cpu) and not pdl.gdc_supported(cpu)
+    with pdl.use_pdl(True):  # forcing it cannot turn it on where the device lacks the instruction
+        assert not pdl.pdl_enabled(cpu)
+    monkeypatch.setattr(pdl, "gdc_supported", lambda device: device.type == "cuda")  # an SM90 device, as it were
     monkeypatch.setenv("JETRL_PDL", "yes")  # read once per CUDA device: a typo is an actionable error, not "off"
     monkeypatch.setattr(pdl, "_resolved", {})
-    monkeypatch.setattr(pdl, "HAS_GDC", True)
     with pytest.raises(ValueError, match="JETRL_PDL='yes' is not a valid choice; use one of 0, 1"):
         pdl.pdl_enabled(cuda)
+    monkeypatch.setenv("JETRL_PDL", "0")
+    assert not pdl.pdl_enabled(cuda)
+    with pdl.use_pdl(True):
+        assert pdl.pdl_enabled(cuda)
     monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
     assert pdl.release_rows(cuda, pdl.PDL_MAX_M) and not pdl.release_rows(cuda, pdl.PDL_MAX_M + 1)
 
@@ -286,3 +304,17 @@ print("OK")
 
 def test_code_transpose_matches_reference_in_interpreter():
     _run_in_interpreter(TRANSPOSE_SCRIPT, triton_quantizer=True)
+
+
+def test_fused_kernels_need_sm89_and_older_gpus_run_pytorch_ops(monkeypatch):
+    """The norms' FP8 epilogue is in every call's binary, and Triton has no E4M3 conversion below sm_89: an A100
+    must take the PyTorch ops (models/fused.py), not fail to compile."""
+    pytest.importorskip("triton")
+    import torch
+
+    from jetrl.models import fused
+
+    capabilities = {0: (8, 0), 1: (8, 9), 2: (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capabilities[index])
+    monkeypatch.setattr(fused, "_capable", {})
+    assert [fused.fused_capable(torch.device("cuda", i)) for i in range(3)] == [False, True, True]

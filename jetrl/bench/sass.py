@@ -51,8 +51,10 @@ class LoopMix:
         return sum(self.mix.values())
 
 
-def compile_like_launch(fn, args: dict[str, Any], constexprs: dict[str, Any], *, num_warps: int, num_stages: int):
-    """Compile Triton kernel ``fn`` for sm_90 as a launch with ``args`` (name -> tensor / int / float) would.
+def compile_like_launch(fn, args: dict[str, Any], constexprs: dict[str, Any], *, num_warps: int, num_stages: int,
+                        arch: int = SM90):
+    """Compile Triton kernel ``fn`` for sm_90 (or ``arch``) as a launch with ``args`` (name -> tensor / int / float)
+    would.
 
     ``constexprs`` are the kernel's ``tl.constexpr`` parameters (those with a default may be left out);
     every other parameter must be in ``args``. Pointers are represented by tensors of the launch's dtype
@@ -85,7 +87,7 @@ def compile_like_launch(fn, args: dict[str, Any], constexprs: dict[str, Any], *,
         source = GluonASTSource(fn, signature, consts, attrs)
     else:
         source = ASTSource(fn, signature, consts, attrs)
-    return triton.compile(source, target=GPUTarget("cuda", SM90, 32),
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 

@@ -37,8 +37,9 @@ function (``quantize_rows``) on the stored values. Whether a call quantizes is a
 other arguments are not specialized and a call that does not quantize passes placeholders of the same dtypes, so
 both kinds of call run one compiled binary: the output (the RMSNorm's row sum above all) is the same bits either
 way. The same holds for ``early``, the runtime flag by which a decode-sized call releases the PDL-launched GEMM after
-it (jetrl/fp8/kernels/pdl.py). The trainer's forward (no epilogue) and the engine's decode (with it) therefore stay
-one graph. An earlier version compiled the epilogue as a separate variant, whose row sum came out ordered differently
+it (jetrl/fp8/kernels/pdl.py); ``GDC``, which compiles that instruction in at all, is a property of the device.
+The trainer's forward (no epilogue) and the engine's decode (with it) therefore stay one graph. An earlier
+version compiled the epilogue as a separate variant, whose row sum came out ordered differently
 (docs/benchmarks.md, section d).
 
 Rounded intermediates that are computed on further (``rounded``) are rounded on the fp32 bits with
@@ -53,7 +54,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from jetrl.fp8.kernels.pdl import release_rows, release_when
+from jetrl.fp8.kernels.pdl import gdc_supported, release_rows, release_when
 from jetrl.fp8.kernels.quant_triton import explicit_round, quantize_rows
 from jetrl.fp8.kernels.rounding import INTERPRET, round_to, rounded
 from jetrl.models.fused import QuantizedOutput
@@ -103,8 +104,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, num_cols, inner, stride_ou
                      d_ptr, h_ptr, codes_ptr, scales_ptr, stride_sr, stride_sc, quant, pow2, early,
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, X_DTYPE: tl.constexpr,
                      OUT_DTYPE: tl.constexpr, EMULATE: tl.constexpr, ADD: tl.constexpr,
-                     EXPLICIT_ROUND: tl.constexpr):
-    release_when(early)  # the next kernel (a decode GEMM on its output) may start loading its weight (pdl.py)
+                     EXPLICIT_ROUND: tl.constexpr, GDC: tl.constexpr):
+    release_when(early, GDC)  # the next kernel (a decode GEMM on its output) may start loading its weight (pdl.py)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
     col_ok = cols < num_cols
@@ -199,7 +200,7 @@ def _launch_rms_norm(grid3: torch.Tensor, weight: torch.Tensor, out: torch.Tenso
         out if delta is None else delta, out if h is None else h, *_quant_args(quantized, out),
         int(release_rows(out.device, num_rows)),
         BLOCK_R=block_r, BLOCK_C=block_c, X_DTYPE=_TL_DTYPES[grid3.dtype], OUT_DTYPE=_TL_DTYPES[out.dtype],
-        EMULATE=_EMULATE, ADD=delta is not None, EXPLICIT_ROUND=explicit_round(),
+        EMULATE=_EMULATE, ADD=delta is not None, EXPLICIT_ROUND=explicit_round(), GDC=gdc_supported(out.device),
         num_warps=num_warps or (4 if block_c * block_r <= 4096 else 8),
     )
 
@@ -379,8 +380,9 @@ def silu_rounded(g, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
 @triton.jit(do_not_specialize=_QUANT_ARGS)
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, num_rows, num_cols, stride_g, stride_u,
                      codes_ptr, scales_ptr, stride_sr, stride_sc, quant, pow2, early,
-                     BLOCK: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr, EXPLICIT_ROUND: tl.constexpr):
-    release_when(early)  # the next kernel (down_proj's decode GEMM) may start loading its weight (pdl.py)
+                     BLOCK: tl.constexpr, DTYPE: tl.constexpr, EMULATE: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
+                     GDC: tl.constexpr):
+    release_when(early, GDC)  # the next kernel (down_proj's decode GEMM) may start loading its weight (pdl.py)
     row = tl.program_id(0).to(tl.int64)
     col0 = tl.program_id(1) * BLOCK
     cols = col0 + tl.arange(0, BLOCK)
@@ -416,6 +418,6 @@ def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor, quantized: QuantizedOu
         g2, u2, out, rows, cols, g2.stride(0), u2.stride(0), *_quant_args(quantized, out.view(rows, cols)),
         int(release_rows(out.device, rows)),
         BLOCK=block, DTYPE=_TL_DTYPES[gate.dtype], EMULATE=_EMULATE, EXPLICIT_ROUND=explicit_round(),
-        num_warps=num_warps,
+        GDC=gdc_supported(out.device), num_warps=num_warps,
     )
     return out
