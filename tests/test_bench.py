@@ -48,8 +48,10 @@ def test_smoke_runs_every_section_and_every_check_passes(smoke_run):
 def test_smoke_json_layout_and_targets(smoke_run):
     _, data, _, out = smoke_run
     meta = data["meta"]
-    for key in ("device", "torch", "triton", "transformers", "date", "command", "config", "timing", "git_commit"):
+    for key in ("device", "torch", "triton", "transformers", "date", "command", "config", "timing", "git_commit",
+                "switches"):
         assert key in meta, key
+    assert all(name.startswith("JETRL_") for name in meta["switches"])
     assert meta["device"] == "cpu" and meta["config"]["smoke"] and "MEANINGLESS" in meta["timing"]
     assert meta["command"].startswith("jetrl bench --sections a,b,c,d,e,f,g") and str(out) in meta["command"]
     targeted = {t["section"] for t in data["summary"]["targets"]}

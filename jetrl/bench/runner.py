@@ -13,7 +13,8 @@ dies without its JSON is recorded as a section error with its exit code. Progres
 (``[bench] ...``) go to stdout as sections finish, with their wall time and peak device memory;
 the table comes last, then one JSON line (the summary: failed checks, errors, every targeted
 ratio, the JSON path). ``<out>/bench.json`` holds everything: the environment (device, torch,
-CUDA, Triton, transformers, git commit), the date, the command line, the config, every row.
+CUDA, Triton, transformers, git commit, the JETRL_* switches set), the date, the command line, the config, every
+row.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import os
 import subprocess
 import sys
 import time
@@ -148,6 +150,8 @@ def environment(device: torch.device, cfg: BenchConfig, command: str) -> dict[st
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command, "argv": sys.argv,
         "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None else None,
+        # the fast paths' switches (JETRL_PDL, JETRL_GEMM_BACKEND, ...: jetrl/overrides.py) set for this run
+        "switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("JETRL_")},
         "timing": "CUDA events / CUDA-graph replay" if on_cuda else "CPU perf_counter: MEANINGLESS (smoke)",
         "hbm_bytes_per_s_for_floors": HBM_BYTES_PER_S,
         "config": dataclasses.asdict(cfg),
