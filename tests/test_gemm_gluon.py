@@ -182,9 +182,9 @@ def test_pdl_gemm_waits_for_the_kernel_that_writes_its_input(m, n, k, monkeypatc
     codes = torch.empty(m, k, device=dev, dtype=torch.float8_e4m3fn)
     scales = torch.empty(m, k // BLOCK, device=dev)
 
-    def step(pdl):
+    def step(on):
         quantize_triton(x, 1, BLOCK, False, out=(codes, scales))  # releases the GEMM early inside use_pdl(True)
-        return gluon_gemm.gemm_mid_m(codes, scales, w.codes, w.scales, pdl=pdl)  # PDL at any M when asked
+        return gluon_gemm.gemm_mid_m(codes, scales, w.codes, w.scales, pdl=on)  # PDL at any M when asked
 
     inputs = [torch.randn(m, k, device=dev, dtype=torch.bfloat16) * (i + 1) for i in range(6)]
     want = []
