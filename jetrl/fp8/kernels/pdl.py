@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents  # Triton >= 3.4, as rounding.py's triton.knobs
 
+from jetrl.fp8.kernels.rounding import INTERPRET
 from jetrl.overrides import ScopedOverride, env_choice
 
 ENV = "JETRL_PDL"
@@ -69,7 +70,7 @@ def gdc_supported(device: torch.device) -> bool:
     """True where kernels for ``device`` may contain ``griddepcontrol`` at all: CUDA SM90+ and not the interpreter
     (ptxas rejects the instruction below sm_90). The norms and SwiGLU compile it in only here (``release_when``),
     so an A100 never sees it."""
-    if device.type != "cuda" or triton.knobs.runtime.interpret:
+    if device.type != "cuda" or INTERPRET:
         return False
     key = _key(device)
     if key not in _capable:
