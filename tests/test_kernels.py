@@ -255,14 +255,17 @@ def test_pdl_release_only_in_kernels_that_write_no_weight(monkeypatch):
     with pdl.use_pdl(True):  # forcing it cannot turn it on where the device lacks the instruction
         assert not pdl.pdl_enabled(cpu)
     monkeypatch.setattr(pdl, "gdc_supported", lambda device: device.type == "cuda")  # an SM90 device, as it were
-    monkeypatch.setenv("JETRL_PDL", "yes")  # read once per CUDA device: a typo is an actionable error, not "off"
-    monkeypatch.setattr(pdl, "_resolved", {})
-    with pytest.raises(ValueError, match="JETRL_PDL='yes' is not a valid choice; use one of 0, 1"):
-        pdl.pdl_enabled(cuda)
-    monkeypatch.setenv("JETRL_PDL", "0")
-    assert not pdl.pdl_enabled(cuda)
-    with pdl.use_pdl(True):
-        assert pdl.pdl_enabled(cuda)
+    monkeypatch.setenv("JETRL_PDL", "yes")  # read once: a typo is an actionable error, not "off"
+    pdl._env_setting.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="JETRL_PDL='yes' is not a valid choice; use one of 0, 1"):
+            pdl.pdl_enabled(cuda)
+        monkeypatch.setenv("JETRL_PDL", "0")
+        assert not pdl.pdl_enabled(cuda)
+        with pdl.use_pdl(True):
+            assert pdl.pdl_enabled(cuda)
+    finally:
+        pdl._env_setting.cache_clear()
     monkeypatch.setattr(pdl, "pdl_enabled", lambda device: True)
     assert pdl.release_rows(cuda, pdl.PDL_MAX_M) and not pdl.release_rows(cuda, pdl.PDL_MAX_M + 1)
 
@@ -310,11 +313,19 @@ def test_fused_kernels_need_sm89_and_older_gpus_run_pytorch_ops(monkeypatch):
     """The norms' FP8 epilogue is in every call's binary, and Triton has no E4M3 conversion below sm_89: an A100
     must take the PyTorch ops (models/fused.py), not fail to compile."""
     pytest.importorskip("triton")
+    from types import SimpleNamespace
+
     import torch
 
+    from jetrl.fp8 import kernels
     from jetrl.models import fused
 
     capabilities = {0: (8, 0), 1: (8, 9), 2: (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capabilities[index])
-    monkeypatch.setattr(fused, "_capable", {})
-    assert [fused.fused_capable(torch.device("cuda", i)) for i in range(3)] == [False, True, True]
+    kernels._capability.cache_clear()
+    try:
+        on_gpu = [SimpleNamespace(is_cuda=True, device=torch.device("cuda", i)) for i in range(3)]  # a tensor's view
+        assert [fused.fused_ops_enabled(x) for x in on_gpu] == [False, True, True]
+        assert kernels.capability(torch.device("cuda", 2)) == (9, 0)
+    finally:
+        kernels._capability.cache_clear()

@@ -115,26 +115,18 @@ def fused_ops_requested() -> bool:
 
 def fused_ops_enabled(x: Tensor) -> bool:
     """True if ``x``'s op runs the fused kernel: requested, ``x`` on CUDA, Triton installed, and a GPU that compiles
-    the kernels (``fused_capable``)."""
+    the kernels (``FUSED_MIN_CAPABILITY``)."""
     if not (fused_ops_requested() and x.is_cuda):
         return False
-    from jetrl.fp8.kernels import has_triton
+    from jetrl.fp8.kernels import capability, has_triton
 
-    return has_triton() and fused_capable(x.device)
+    # SM89+ (Ada, Hopper and later): the norms' and SwiGLU's FP8 epilogue is compiled into every call (one binary
+    # with and without it, fused_triton.py), and Triton has no E4M3 conversion below sm_89, so on an A100 the
+    # model's ops run as PyTorch ops instead of failing to compile
+    return has_triton() and capability(x.device) >= FUSED_MIN_CAPABILITY
 
 
 FUSED_MIN_CAPABILITY = (8, 9)
-_capable: dict[int, bool] = {}
-
-
-def fused_capable(device: torch.device) -> bool:
-    """SM89+ (Ada, Hopper and later): the norms' and SwiGLU's FP8 epilogue is compiled into every call (one binary
-    with and without it, fused_triton.py), and Triton has no E4M3 conversion below sm_89, so on an A100 the model's
-    ops run as PyTorch ops instead of failing to compile."""
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if index not in _capable:
-        _capable[index] = torch.cuda.get_device_capability(index) >= FUSED_MIN_CAPABILITY
-    return _capable[index]
 
 
 def use_fused_ops(enabled: bool) -> contextlib.AbstractContextManager[None]:

@@ -15,6 +15,16 @@ import torch
 KERNEL_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA device's compute capability, looked up once per device (kernels ask at every launch)."""
+    return _capability(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 @cache
 def has_triton() -> bool:
     """True if Triton can be imported (it is not required on CPU)."""

@@ -47,6 +47,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from jetrl.fp8.kernels import pdl as _pdl
 from jetrl.fp8.kernels.gluon_tiles import GROUP, GluonConfig, operand_problem
@@ -63,21 +64,6 @@ def _tile_origin(t, M, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _gdc_wait():
-    """``griddepcontrol.wait``: the kernel launched before this one (programmatic dependent launch) has completed
-    and its writes are visible. A no-op in a plain launch."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
-                              pack=1)
-
-
-@gluon.jit
-def _gdc_launch_dependents():
-    """``griddepcontrol.launch_dependents``: the next kernel may start once every CTA of this one has said so."""
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
 def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_k,
               STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PDL: gl.constexpr):
     early = 0  # groups of the first tile whose weight load is issued before the dependency wait
@@ -89,8 +75,8 @@ def _producer(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, num_tiles, num_k,
         for s in range(early):
             mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(b_desc, [first_n, s * _G], ready.index(s), b_bufs.index(s))
-        _gdc_wait()
-        _gdc_launch_dependents()
+        gdc_wait()
+        gdc_launch_dependents()
     c = 0  # groups loaded so far: slot c % STAGES, its (c // STAGES)-th use
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m, off_n = _tile_origin(t, M, BLOCK_M, BLOCK_N)
@@ -144,8 +130,8 @@ def _consumer(a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr, out_ptr, M, N, num_t
     ta = gl.zeros([64, BLOCK_N], gl.float32, layout)
     tb = gl.zeros([64, BLOCK_N], gl.float32, layout)
     if PDL:  # the activation scales come from the kernel before this one
-        _gdc_wait()
-        _gdc_launch_dependents()
+        gdc_wait()
+        gdc_launch_dependents()
     c = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_m, off_n = _tile_origin(t, M, BLOCK_M, BLOCK_N)

@@ -42,12 +42,14 @@ and under the interpreter it is off, and no kernel contains the instruction (ptx
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents  # Triton >= 3.4, as rounding.py's triton.knobs
 
+from jetrl.fp8.kernels import capability
 from jetrl.fp8.kernels.rounding import INTERPRET
 from jetrl.overrides import ScopedOverride, env_choice
 
@@ -58,24 +60,13 @@ ENV = "JETRL_PDL"
 # the B = 256 step could not be measured cleanly (`release_rows`); bench/probe_pdl_prefetch.py takes PDL_MAX_M=256.
 PDL_MAX_M = 64
 _override = ScopedOverride("PDL setting", (True, False))
-_resolved: dict[str, bool] = {}
-_capable: dict[str, bool] = {}
-
-
-def _key(device: torch.device) -> str:
-    return f"cuda:{torch.cuda.current_device() if device.index is None else device.index}"
 
 
 def gdc_supported(device: torch.device) -> bool:
     """True where kernels for ``device`` may contain ``griddepcontrol`` at all: CUDA SM90+ and not the interpreter
     (ptxas rejects the instruction below sm_90). The norms and SwiGLU compile it in only here (``release_when``),
     so an A100 never sees it."""
-    if device.type != "cuda" or INTERPRET:
-        return False
-    key = _key(device)
-    if key not in _capable:
-        _capable[key] = torch.cuda.get_device_capability(device) >= (9, 0)
-    return _capable[key]
+    return device.type == "cuda" and not INTERPRET and capability(device) >= (9, 0)
 
 
 def pdl_enabled(device: torch.device) -> bool:
@@ -86,11 +77,13 @@ def pdl_enabled(device: torch.device) -> bool:
         return False
     if _override.value is not None:
         return _override.value
-    key = _key(device)
-    if key not in _resolved:
-        _resolved[key] = env_choice(ENV, ("0", "1"), "1 = programmatic dependent launch on SM90+, the default; "
-                                    "0 = off") != "0"
-    return _resolved[key]
+    return _env_setting()
+
+
+@functools.cache
+def _env_setting() -> bool:
+    """``JETRL_PDL``, read once: unset or 1 = on, 0 = off, anything else an actionable error."""
+    return env_choice(ENV, ("0", "1"), "1 = programmatic dependent launch on SM90+, the default; 0 = off") != "0"
 
 
 def release_rows(device: torch.device, rows: int) -> bool:

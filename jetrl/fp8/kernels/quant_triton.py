@@ -98,8 +98,8 @@ def _code_bits(y, is_nan, EXPLICIT_ROUND: tl.constexpr, BARE_CAST: tl.constexpr)
     GPU the hardware cast (``cvt.rn.satfinite``, RNE) gives the same codes on the clamped values, which the bench
     checks bit for bit. BARE_CAST (GPU only) leaves the clamp and the NaN select to that cast: it saturates to
     +-448 itself, and where ``is_nan`` the reciprocal is NaN, so y is NaN there (and only there), which it writes
-    as 0x7F. That took 20% off the dual-layout pass, which is bound by instruction issue (run BI, docs/benchmarks.md
-    (a)). Only the two quantize kernels below take it, whose codes go straight to memory: where codes are used
+    as 0x7F. That took 20% off the dual-layout pass (run BI, docs/benchmarks.md (a); but not every cut in its
+    instruction count pays: the division-free scales, 13% fewer, were slower, run BO). Only the two quantize kernels below take it, whose codes go straight to memory: where codes are used
     again in registers, Triton 3.6 miscompiles the bare cast's packed result -- a kernel that decodes its own codes
     stores them right but decodes half of them wrong (bench/probe_bare_cast.py, run BM), and the K/V fake
     quantization and the producers' epilogues failed their GPU tests with it (run BJ).
