@@ -150,6 +150,9 @@ COMMANDS = {"train": _train, "eval": _eval, "generate": _generate, "export": _ex
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jetrl.rl.memory import default_allocator_settings
+
+    default_allocator_settings()  # expandable segments unless PYTORCH_CUDA_ALLOC_CONF is set (its docstring: why)
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     # overrides may come anywhere on the line (argparse stops positionals at the first option)

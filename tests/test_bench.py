@@ -51,7 +51,8 @@ def test_smoke_json_layout_and_targets(smoke_run):
     for key in ("device", "torch", "triton", "transformers", "date", "command", "config", "timing", "git_commit",
                 "switches"):
         assert key in meta, key
-    assert all(name.startswith("JETRL_") for name in meta["switches"])
+    assert all(name.startswith("JETRL_") or name == "PYTORCH_CUDA_ALLOC_CONF" for name in meta["switches"])
+    assert "PYTORCH_CUDA_ALLOC_CONF" in meta["switches"]  # the allocator setting the CLI gives (jetrl/rl/memory.py)
     assert meta["device"] == "cpu" and meta["config"]["smoke"] and "MEANINGLESS" in meta["timing"]
     assert meta["command"].startswith("jetrl bench --sections a,b,c,d,e,f,g") and str(out) in meta["command"]
     targeted = {t["section"] for t in data["summary"]["targets"]}

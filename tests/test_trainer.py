@@ -167,6 +167,20 @@ def test_out_of_memory_names_the_settings_to_lower(monkeypatch, phase, words, ra
     assert "ran out of device memory" in err and "Traceback" not in err and "--resume" in err
 
 
+def test_cli_gives_the_allocator_expandable_segments_unless_configured(monkeypatch):
+    from jetrl.rl import memory
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.delenv(memory.ALLOC_CONF, raising=False)
+    assert memory.default_allocator_settings() == "expandable_segments:True"
+    assert os.environ[memory.ALLOC_CONF] == "expandable_segments:True"
+    monkeypatch.setenv(memory.ALLOC_CONF, "max_split_size_mb:512")  # the user's own setting wins
+    assert memory.default_allocator_settings() is None and os.environ[memory.ALLOC_CONF] == "max_split_size_mb:512"
+    monkeypatch.delenv(memory.ALLOC_CONF)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # too late for this process: left alone
+    assert memory.default_allocator_settings() is None and memory.ALLOC_CONF not in os.environ
+
+
 def _final_state(run_dir):
     from safetensors.torch import load_file
 

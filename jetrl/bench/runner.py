@@ -151,7 +151,8 @@ def environment(device: torch.device, cfg: BenchConfig, command: str) -> dict[st
         "command": command, "argv": sys.argv,
         "git_commit": _git("rev-parse", "HEAD"), "git_dirty": bool(status) if status is not None else None,
         # the fast paths' switches (JETRL_PDL, JETRL_GEMM_BACKEND, ...: jetrl/overrides.py) set for this run
-        "switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("JETRL_")},
+        "switches": {k: v for k, v in sorted(os.environ.items())
+                     if k.startswith("JETRL_") or k == "PYTORCH_CUDA_ALLOC_CONF"},
         "timing": "CUDA events / CUDA-graph replay" if on_cuda else "CPU perf_counter: MEANINGLESS (smoke)",
         "hbm_bytes_per_s_for_floors": HBM_BYTES_PER_S,
         "config": dataclasses.asdict(cfg),

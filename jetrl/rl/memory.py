@@ -19,6 +19,7 @@ checkpoint is untouched, and ``--resume`` restarts from it with the lowered sett
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import torch
@@ -26,6 +27,27 @@ from torch import nn
 
 from jetrl.models.stacked_projections import stacked_bytes
 from jetrl.rl.config import GRPOConfig
+
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def default_allocator_settings() -> str | None:
+    """Give torch's CUDA caching allocator expandable segments, unless ``PYTORCH_CUDA_ALLOC_CONF`` is set (then
+    nothing changes); returns the setting applied, or None. ``jetrl``'s command line calls it first thing.
+
+    Why: a whole-model RL step on one GPU runs near its memory (the 8B on an H200 peaks at ~135 of 140 GiB,
+    docs/benchmarks.md (g)), and the rollout, the old-logprob pass and the update allocate tensors of very
+    different sizes in turn. With fixed segments, the blocks freed by one phase may not fit the next phase's
+    requests: a run of section (g) went out of memory with 4.4 GiB reserved but free (run BV). Expandable
+    segments map more memory into one growing segment instead, so freed space is reused whatever its size.
+    The allocator reads the variable when CUDA initializes, so a process that has already initialized CUDA (a
+    caller of ``jetrl.cli.main`` in a test) is left as it is; child processes (the bench's sections) inherit it.
+    """
+    if ALLOC_CONF in os.environ or torch.cuda.is_initialized():
+        return None
+    os.environ[ALLOC_CONF] = EXPANDABLE_SEGMENTS
+    return EXPANDABLE_SEGMENTS
 
 
 class StepOutOfMemoryError(torch.OutOfMemoryError):
