@@ -1,4 +1,4 @@
-"""``jetrl`` command line: train | eval | generate | export | convert-smollm2 | bench.
+"""``jetrl`` command line: train | eval | generate | diagnose | export | convert-smollm2 | bench.
 
 ``main(argv)`` returns an exit code so tests call it with a list. Errors a user can fix (bad
 config, missing file, a reward function that raises, a prompt longer than the context) are
@@ -58,6 +58,19 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--logprobs", action="store_true", help="print one JSON object per completion with logprobs")
+
+    diag = sub.add_parser("diagnose", help="per-layer rollout-vs-trainer comparison on sampled completions")
+    diag.add_argument("--model", required=True, help="'tiny', 'smollm2', a checkpoint dir or a run dir")
+    diag.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
+    diag.add_argument("--prompts-file", default=None, help="one prompt per line, or jsonl with 'prompt'")
+    diag.add_argument("--recipe", default="jet", metavar="{" + ",".join(RECIPE_NAMES) + "}[+pow2]",
+                      help=RECIPE_HELP + " (default jet)")
+    diag.add_argument("--dtype", default="float32", help="float32 | bfloat16")
+    diag.add_argument("--n", type=int, default=1, help="completions per prompt")
+    diag.add_argument("--temperature", type=float, default=1.0, help="> 0: sampling and scoring temperature")
+    diag.add_argument("--max-tokens", type=int, default=32)
+    diag.add_argument("--seed", type=int, default=0)
+    diag.add_argument("--raw", action="store_true", help="do not apply the chat template")
 
     export = sub.add_parser("export", help="write a checkpoint as an HF dir in BF16 or fine-grained FP8")
     export.add_argument("--run", required=True, metavar="RUN_DIR_OR_CHECKPOINT",
@@ -124,6 +137,15 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _diagnose(args: argparse.Namespace) -> int:
+    from jetrl.run.diagnose import diagnose_main
+    from jetrl.run.generate import read_prompts
+
+    diagnose_main(args.model, read_prompts(args.prompt, args.prompts_file), recipe=args.recipe, dtype=args.dtype,
+                  n=args.n, temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, raw=args.raw)
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     from jetrl.models.export import export_checkpoint
 
@@ -145,7 +167,7 @@ def _bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
-COMMANDS = {"train": _train, "eval": _eval, "generate": _generate, "export": _export,
+COMMANDS = {"train": _train, "eval": _eval, "generate": _generate, "diagnose": _diagnose, "export": _export,
             "convert-smollm2": _convert_smollm2, "bench": _bench}
 
 

@@ -44,16 +44,20 @@ def read_prompts(prompts: list[str] | None, prompts_file: str | None) -> list[An
     return out
 
 
+def encode_prompts(tokenizer: Any, prompts: list[Any], raw: bool = False) -> list[list[int]]:
+    """Token ids of each prompt: through the tokenizer's chat template, or (``raw``) its text encoded as is."""
+    if raw:
+        return [tokenizer.encode(p if isinstance(p, str) else p[-1]["content"]) for p in prompts]
+    return [tokenizer.apply_chat_template(to_messages(p)) for p in prompts]
+
+
 def generate_main(model: str, prompts: list[Any], *, recipe: str = "jet", dtype: str = "float32", n: int = 1,
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, max_tokens: int = 128,
                   seed: int = 0, stop: list[str] | None = None, raw: bool = False, logprobs: bool = False,
                   device: str | None = None) -> list[list[Any]]:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     net, tokenizer, _ = load_model(model, dtype, recipe=recipe, device=device)
-    if raw:
-        prompt_ids = [tokenizer.encode(p if isinstance(p, str) else p[-1]["content"]) for p in prompts]
-    else:
-        prompt_ids = [tokenizer.apply_chat_template(to_messages(p)) for p in prompts]
+    prompt_ids = encode_prompts(tokenizer, prompts, raw)
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                             seed=seed, stop=tuple(stop or ()))
     max_len = max(len(p) for p in prompt_ids) + max_tokens + 1
