@@ -11,8 +11,9 @@ Method (teacher forcing). The given completions are scored twice:
     trainer  one causal forward over prompt + completion in the train precision phase, without autograd: the GRPO
              trainer's old-logprob pass (:func:`jetrl.rl.logprobs.batch_trainer_logprobs`);
     rollout  :meth:`jetrl.engine.Engine.score`: one prefill of the prompts, then one decode step per completion
-             token, in the rollout phase, with the engine's KV cache (FP8 codes under ``jet_kv``), decode kernels
-             and CUDA graphs, as ``generate`` runs them.
+             token, in the rollout phase, with the engine's KV cache (FP8 codes under ``jet_kv``) and decode
+             kernels, as ``generate`` runs them (eagerly, so that the hooks fire: a CUDA-graph replay equals the
+             eager step bit for bit).
 
 Forward hooks read five sites of every layer, in forward order: ``attn_core`` (the attention's output, o_proj's
 input), ``attn`` (o_proj's output), ``mlp_act`` (SwiGLU's output, down_proj's input), ``mlp`` (down_proj's output)
@@ -28,9 +29,9 @@ over the positions of each kind,
 
 with a_r the rollout's value and a_t the trainer's. ``first_divergence`` is the first (layer, site, kind) in forward
 order that is not bit-identical; the logprobs of both get the mismatch metrics under the anchors' names. The
-trainer's activations are held on the CPU in the model dtype until the rollout's arrive (3 x layers x tokens x hidden
-values, mlp_act's 3x wider: 11 GB for 36 layers of Qwen3-8B at 4096 tokens in BF16), so this is a tool for a
-handful of sequences.
+trainer's activations are held on the CPU in the model dtype until the rollout's arrive (per layer and token, four
+sites of the hidden width and mlp_act's, 3x wider: 8.5 GB for 36 layers of Qwen3-8B at 4096 tokens in BF16), so this
+is a tool for a handful of sequences.
 """
 
 from __future__ import annotations
@@ -38,12 +39,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from jetrl.rl.logprobs import batch_trainer_logprobs
 from jetrl.rl.metrics import mismatch_metrics
+
+if TYPE_CHECKING:
+    from jetrl.engine import Engine
 
 SITES = ("attn_core", "attn", "mlp_act", "mlp", "residual")  # in forward order (module docstring)
 KINDS = ("prompt", "completion")  # positions computed by the rollout's prefill / its decode steps
@@ -125,7 +130,7 @@ def _recording(model: nn.Module) -> Iterator[list[tuple[int, str, Tensor]]]:
             h.remove()
 
 
-def diagnose(engine, prompts: list[list[int]], completions: list[list[int]], temperature: float = 1.0) -> dict:
+def diagnose(engine: Engine, prompts: list[list[int]], completions: list[list[int]], temperature: float = 1.0) -> dict:
     """The per-layer rollout-vs-trainer comparison of ``completions`` after ``prompts`` on ``engine.model`` (module
     docstring). Returns a JSON-ready dict: ``layers`` (per layer, per kind, per site: rel, max_abs, equal,
     positions), ``first_divergence`` (None, or its layer, site and kind), ``mismatch`` (the anchors' metrics of the
