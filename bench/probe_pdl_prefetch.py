@@ -38,11 +38,10 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from jetrl.bench.models import free_device_memory, random_model, set_recipe
-from jetrl.bench.rollout import _decode_state, spread_lengths
+from jetrl.bench.models import free_device_memory, random_model
+from jetrl.bench.rollout import ABBA, ab_decode_steps
 from jetrl.bench.shapes import h200_config
-from jetrl.bench.timing import graph_time_us, time_ms
-from jetrl.fp8 import precision_phase
+from jetrl.bench.timing import graph_time_us
 from jetrl.fp8.gemm import gluon_tiles
 from jetrl.fp8.kernels import pdl
 from jetrl.fp8.kernels.gemm_gluon import gemm_mid_m
@@ -53,13 +52,10 @@ from jetrl.fp8.quant import quantize
 DEV = torch.device("cuda")
 
 
-ORDER = (False, True, True, False)  # ABBA: a drift over the measurement (the GPU warming up) cancels to first order
-
-
 def ab(measure) -> tuple[float, float]:
     """(off, on): each the mean of two measurements, taken off, on, on, off."""
     times = {False: [], True: []}
-    for on in ORDER:
+    for on in ABBA:
         with use_pdl(on):
             times[on].append(measure())
     return statistics.mean(times[False]), statistics.mean(times[True])
@@ -118,29 +114,15 @@ def gemms(cfg, results):
 
 def steps(cfg, results):
     model = random_model(cfg.model_config(cfg.layers), DEV, torch.bfloat16).requires_grad_(False)
-    for batch in [int(b) for b in os.environ.get("STEP_BATCHES", "64,256").split(",")]:
-        lengths = spread_lengths(batch, cfg.decode_context)
-        for recipe in ("bf16", "jet", "jet_kv"):
-            set_recipe(model, recipe)
-            logits, engines = {}, {}
-            with torch.no_grad(), precision_phase("rollout"):
-                for on in (True, False) if os.environ.get("ON_FIRST") == "1" else (False, True):
-                    torch.manual_seed(0)
-                    with use_pdl(on):
-                        engines[on] = _decode_state(model, batch, lengths, DEV)
-                        logits[on] = engines[on].graphs(batch)[:batch].clone()  # captured under this setting
-                same = torch.equal(logits[False], logits[True])
-                measured = {on: [] for on in (False, True)}
-                for on in ORDER:
-                    measured[on].append(time_ms(partial(engines[on].graphs, batch), DEV, iters=20, warmup=2))
-            off, on = statistics.mean(measured[False]), statistics.mean(measured[True])
-            results.append({"what": f"decode step {recipe}", "batch": batch, "off_ms": off, "on_ms": on,
-                            "logits_bit_equal": same})
-            print(f"decode step {recipe:7s} B={batch:3d}: PDL off {off:.3f} ms, on {on:.3f} ms "
-                  f"({off / on:.3f}x); logits bit-equal {same}", flush=True)
-            assert same, f"{recipe} B={batch}: PDL changed the decode step's logits"
-            engines = None
-            free_device_memory()
+    batches = [int(b) for b in os.environ.get("STEP_BATCHES", "64,256").split(",")]
+    build_order = (True, False) if os.environ.get("ON_FIRST") == "1" else (False, True)
+    for r in ab_decode_steps(model, cfg, use_pdl, batches, DEV, build_order):
+        logits, recipe, batch, off, on = r.pop("logits"), r["recipe"], r["batch"], r["off_ms"], r["on_ms"]
+        same = torch.equal(logits[False], logits[True])
+        results.append({**r, "what": f"decode step {recipe}", "logits_bit_equal": same})
+        print(f"decode step {recipe:7s} B={batch:3d}: PDL off {off:.3f} ms, on {on:.3f} ms "
+              f"({off / on:.3f}x); logits bit-equal {same}", flush=True)
+        assert same, f"{recipe} B={batch}: PDL changed the decode step's logits"
     del model
     free_device_memory()
 

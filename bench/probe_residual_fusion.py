@@ -16,20 +16,15 @@ $OUT/probe_residual_fusion.json.
 import contextlib
 import json
 import os
-import statistics
-from functools import partial
 
 import torch
 
-from jetrl.bench.models import free_device_memory, random_model, set_recipe
-from jetrl.bench.rollout import _decode_state, spread_lengths
+from jetrl.bench.models import random_model
+from jetrl.bench.rollout import ab_decode_steps
 from jetrl.bench.shapes import h200_config
-from jetrl.bench.timing import time_ms
-from jetrl.fp8 import precision_phase
 from jetrl.models.llama import DecoderLayer
 
 DEV = torch.device("cuda")
-ORDER = (False, True, True, False)
 
 
 def _separate_add(self, x, cos, sin, mask, kv_cache=None, delta=None):
@@ -54,30 +49,15 @@ def main() -> None:
     cfg = h200_config()
     results: list[dict] = []
     model = random_model(cfg.model_config(cfg.layers), DEV, torch.bfloat16).requires_grad_(False)
+    batches = [int(b) for b in os.environ.get("STEP_BATCHES", "64,256").split(",")]
     try:
-        for batch in [int(b) for b in os.environ.get("STEP_BATCHES", "64,256").split(",")]:
-            lengths = spread_lengths(batch, cfg.decode_context)
-            for recipe in ("bf16", "jet", "jet_kv"):
-                set_recipe(model, recipe)
-                logits, engines = {}, {}
-                with torch.no_grad(), precision_phase("rollout"):
-                    for on in (False, True):
-                        torch.manual_seed(0)
-                        with fused(on):
-                            engines[on] = _decode_state(model, batch, lengths, DEV)
-                            logits[on] = engines[on].graphs(batch)[:batch].float()  # captured under this form
-                    diff = float((logits[True] - logits[False]).abs().max())
-                    measured = {on: [] for on in (False, True)}
-                    for on in ORDER:
-                        measured[on].append(time_ms(partial(engines[on].graphs, batch), DEV, iters=20, warmup=2))
-                off, on = statistics.mean(measured[False]), statistics.mean(measured[True])
-                results.append({"what": f"decode step {recipe}", "batch": batch, "off_ms": off, "on_ms": on,
-                                "logits_max_abs_diff": diff, "finite": bool(torch.isfinite(logits[True]).all())})
-                print(f"decode step {recipe:7s} B={batch:3d}: separate add {off:.3f} ms, in the next norm {on:.3f} ms "
-                      f"({off / on:.4f}x, {(off - on) / cfg.layers * 1e3:.2f} us per layer); logits max |diff| "
-                      f"{diff:.3g}", flush=True)
-                engines = logits = None
-                free_device_memory()
+        for r in ab_decode_steps(model, cfg, fused, batches, DEV):
+            logits, recipe, batch, off, on = r.pop("logits"), r["recipe"], r["batch"], r["off_ms"], r["on_ms"]
+            diff = float((logits[True] - logits[False]).abs().max())
+            results.append({**r, "logits_max_abs_diff": diff, "finite": bool(torch.isfinite(logits[True]).all())})
+            print(f"decode step {recipe:7s} B={batch:3d}: separate add {off:.3f} ms, in the next norm {on:.3f} ms "
+                  f"({off / on:.4f}x, {(off - on) / cfg.layers * 1e3:.2f} us per layer); logits max |diff| "
+                  f"{diff:.3g}", flush=True)
     finally:
         with open(os.path.join(os.environ.get("OUT", "/tmp"), "probe_residual_fusion.json"), "w") as f:
             json.dump(results, f, indent=1)

@@ -227,3 +227,36 @@ def test_gpu_sweep_scripts_compile():
     assert len(scripts) >= 3
     for script in scripts:
         py_compile.compile(str(script), doraise=True)
+
+
+def test_decode_step_ab_builds_each_arm_in_its_context_and_times_abba(monkeypatch):
+    """bench/probe_*.py's A/B helper (GPU-only in use): each engine is built and captured inside its arm, and the
+    two are timed off, on, on, off, per batch and recipe. Checked here with stand-in engines."""
+    from jetrl.bench import rollout
+
+    state, built, timed = {"arm": None}, [], []
+
+    class Engine:
+        def __init__(self, arm):
+            self.arm = arm
+
+        def graphs(self, batch):
+            return torch.full((batch, 3), float(self.arm))
+
+    def arm(on):
+        @contextlib.contextmanager
+        def inside():
+            state["arm"] = on
+            yield
+            state["arm"] = None
+        return inside()
+
+    monkeypatch.setattr(rollout, "_decode_state", lambda model, batch, lengths, device: built.append(state["arm"])
+                        or Engine(state["arm"]))
+    monkeypatch.setattr(rollout, "time_ms", lambda fn, device, **kw: timed.append(fn.func.__self__.arm) or
+                        (2.0 if fn.func.__self__.arm else 3.0))
+    model = random_model(smoke_config().model_config(1), torch.device("cpu"), torch.float32)
+    rows = list(rollout.ab_decode_steps(model, smoke_config(), arm, [2, 4], torch.device("cpu"), (True, False)))
+    assert [(r["batch"], r["recipe"]) for r in rows] == [(b, r) for b in (2, 4) for r in ("bf16", "jet", "jet_kv")]
+    assert built == [True, False] * 6 and timed == [False, True, True, False] * 6
+    assert all(r["off_ms"] == 3.0 and r["on_ms"] == 2.0 and r["logits"][True].eq(1).all() for r in rows)

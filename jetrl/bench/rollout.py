@@ -32,6 +32,7 @@ linear layers) and ``jet_kv`` (``jet`` + FP8 KV cache) where that recipe exists.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -162,6 +163,36 @@ def _decode_state(model: nn.Module, batch: int, lengths: list[int], device: torc
     fill_cache(engine.cache, model.config, lengths, device, torch.bfloat16)
     engine.next_tokens.random_(0, model.config.vocab_size)
     return engine
+
+
+ABBA = (False, True, True, False)  # an A/B's order: a drift over the measurement cancels to first order
+
+
+def ab_decode_steps(model: nn.Module, cfg: BenchConfig, arm: Callable[[bool], Any], batches: list[int],
+                    device: torch.device, build_order: tuple[bool, bool] = (False, True)) -> Iterator[dict[str, Any]]:
+    """An A/B of the engine's decode step (the probes in bench/): per batch and recipe (``bf16``, ``jet``,
+    ``jet_kv``), two engines over the same cached contexts (mean ``cfg.decode_context``), each built and its CUDA
+    graph captured inside ``arm(False)`` resp. ``arm(True)``, then both replays timed off, on, on, off. Yields
+    ``{"recipe", "batch", "off_ms", "on_ms", "logits": {False: .., True: ..}}`` (fp32 logits of the captured step;
+    the two engines coexist while they are timed, so their order of construction is ``build_order``)."""
+    for batch in batches:
+        lengths = spread_lengths(batch, cfg.decode_context)
+        for recipe in ("bf16", "jet", "jet_kv"):
+            set_recipe(model, recipe)
+            logits, engines = {}, {}
+            with torch.no_grad(), precision_phase("rollout"):
+                for on in build_order:
+                    torch.manual_seed(0)
+                    with arm(on):
+                        engines[on] = _decode_state(model, batch, lengths, device)
+                        logits[on] = engines[on].graphs(batch)[:batch].float()  # captured under this arm
+                measured = {False: [], True: []}
+                for on in ABBA:
+                    measured[on].append(time_ms(partial(engines[on].graphs, batch), device, iters=20, warmup=2))
+            yield {"recipe": recipe, "batch": batch, "off_ms": sum(measured[False]) / 2,
+                   "on_ms": sum(measured[True]) / 2, "logits": logits}
+            engines = logits = None
+            free_device_memory()
 
 
 def _decode_step_row(name: str, model: nn.Module, batch: int, lengths: list[int], cfg: BenchConfig,

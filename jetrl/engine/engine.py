@@ -58,6 +58,7 @@ from jetrl.engine.cuda_graph import DecodeGraphs
 from jetrl.engine.kv_cache import StaticKVCache
 from jetrl.engine.sampling import SamplingParams, prompt_seed, sample, sequence_key
 from jetrl.engine.scheduler import IncrementalDetokenizer, Scheduler, Sequence, StopChecker
+from jetrl.engine.scoring import score
 from jetrl.fp8 import float8_modules, precision_phase
 from jetrl.fp8.convert import model_recipe
 from jetrl.fp8.kernels import has_triton
@@ -263,86 +264,10 @@ class Engine:
                 self._sync(scheduler, check, last, in_flight)
         return [[self._completion(seq) for seq in group] for group in groups]
 
-    @torch.no_grad()
     def score(self, prompts: list[list[int]], completions: list[list[int]], temperature: float = 1.0,
               after_forward: Callable[[Tensor, Tensor], None] | None = None) -> list[Tensor]:
-        """Teacher-forced rollout logprobs: ``(len(completion),)`` fp32 per pair, each completion token's logprob
-        under the rollout's own forward path, at ``temperature``.
-
-        The tokens go through exactly what ``generate`` runs, minus the sampling: the prompts prefilled (right-padded
-        batches, lm_head at each prompt's last position), then one decode step per completion token over slots
-        [0, B) -- the KV cache in the recipe's format, the decode attention kernel, the CUDA graphs -- feeding
-        ``completions[i][j - 1]`` where the sampler's token would go. The logprob is ``log_softmax(logits / T)`` in
-        fp32, the quantity the sampler reports (its fused kernel agrees to ~1e-6) and the trainer recomputes.
-        Row ``i`` runs in slot ``i``; a row whose completion has ended keeps rewriting one unused position, as a
-        frozen row does in ``generate``. Batch composition differs from the rollout that sampled the tokens
-        (whose rows came and went), so on a GPU whose GEMM kernels depend on the row count the logprobs can differ
-        from that rollout's in the last bits.
-
-        ``after_forward(rows, positions)``, if given, is called after each forward: for every row of the forward's
-        output, ``rows[r]`` is the pair it holds and ``positions[r, t]`` the sequence position of its ``t``-th
-        column, -1 for padding. Forward hooks on the model's modules plus this map are how
-        :func:`jetrl.rl.diagnose.diagnose` lines up the rollout's activations with the trainer's. With it the decode
-        steps run eagerly, since hooks do not fire in a graph replay (replay equals eager bit for bit:
-        tests/test_engine_graphs.py).
-        """
-        if len(prompts) != len(completions) or not prompts:
-            raise ValueError(f"score needs one completion per prompt, got {len(prompts)} prompts and "
-                             f"{len(completions)} completions")
-        if len(prompts) > self.max_slots:
-            raise ValueError(f"score of {len(prompts)} pairs exceeds max_slots={self.max_slots}; raise max_slots or "
-                             "score them in batches")
-        if not temperature > 0:
-            raise ValueError(f"score needs a temperature > 0, got {temperature}")
-        for i, (p, c) in enumerate(zip(prompts, completions)):
-            if not p or not c:
-                raise ValueError(f"pair {i}: prompt ({len(p)} tokens) and completion ({len(c)}) must be non-empty")
-            if len(p) + len(c) > self.max_len:
-                raise ValueError(f"pair {i}: {len(p)} prompt + {len(c)} completion tokens exceed the engine's "
-                                 f"max_len={self.max_len}; build the Engine with max_len >= {len(p) + len(c)}")
-        B, dev = len(prompts), self.device
-        lengths = [len(p) for p in prompts]
-        steps = max(len(c) for c in completions)
-        forced = torch.zeros(B, steps, dtype=torch.int64)
-        for i, c in enumerate(completions):
-            forced[i, : len(c)] = torch.tensor(c)
-        forced = forced.to(dev)
-        logprobs = torch.zeros(B, steps, dtype=torch.float32, device=dev)
-
-        def scored(logits: Tensor, step: int) -> None:
-            lp = torch.log_softmax(logits.float() / temperature, dim=-1)
-            logprobs[:, step] = lp.gather(-1, forced[:, step, None])[:, 0]
-
-        with precision_phase("rollout"):
-            self._ensure_state()
-            if self.use_cuda_graphs:
-                self._check_graph_weights()
-            first_logits = []
-            for rows in self._pack(lengths):
-                T = max(lengths[i] for i in rows)
-                ids = torch.zeros(len(rows), T, dtype=torch.int64)
-                positions = torch.full((len(rows), T), -1, dtype=torch.int64)
-                for r, i in enumerate(rows):
-                    ids[r, : lengths[i]] = torch.tensor(prompts[i])
-                    positions[r, : lengths[i]] = torch.arange(lengths[i])
-                rows_t, lengths_t = torch.tensor(rows, device=dev), torch.tensor([lengths[i] for i in rows], device=dev)
-                hidden = self.model.hidden_states(ids.to(dev), kv_cache=self.cache.prefill(rows_t, lengths_t))
-                if after_forward is not None:
-                    after_forward(rows_t.cpu(), positions)
-                first_logits.append(self.model.logits_from_hidden(hidden[torch.arange(len(rows), device=dev),
-                                                                         lengths_t - 1]))
-            scored(torch.cat(first_logits), 0)  # chunks hold rows 0, 1, ... in order
-            ends = torch.tensor([len(p) + len(c) - 1 for p, c in zip(prompts, completions)], device=dev)
-            graphs = self.use_cuda_graphs and after_forward is None  # hooks fire in an eager forward only
-            for step in range(1, steps):
-                self.next_tokens[:B] = forced[:, step - 1]
-                pending = self.cache.lengths[:B].clone()
-                logits = self.graphs(B)[:B] if graphs else self._decode_forward(B)
-                if after_forward is not None:
-                    after_forward(torch.arange(B), torch.where(pending < ends, pending, -1).cpu()[:, None])
-                scored(logits, step)
-                self.cache.lengths[:B] += self.cache.lengths[:B] < ends  # the fed token is now cached
-        return [logprobs[i, : len(c)].cpu() for i, c in enumerate(completions)]
+        """Teacher-forced rollout logprobs of ``completions`` after ``prompts``: :func:`jetrl.engine.scoring.score`."""
+        return score(self, prompts, completions, temperature, after_forward)
 
     # ------------------------------------------------------------------ prefill
     def _prefill_chunks(self, groups: list[list[Sequence]]) -> list[list[list[Sequence]]]:

@@ -10,7 +10,7 @@ Method (teacher forcing). The given completions are scored twice:
 
     trainer  one causal forward over prompt + completion in the train precision phase, without autograd: the GRPO
              trainer's old-logprob pass (:func:`jetrl.rl.logprobs.batch_trainer_logprobs`);
-    rollout  :meth:`jetrl.engine.Engine.score`: one prefill of the prompts, then one decode step per completion
+    rollout  :func:`jetrl.engine.scoring.score` (``Engine.score``): one prefill of the prompts, then one decode step per completion
              token, in the rollout phase, with the engine's KV cache (FP8 codes under ``jet_kv``) and decode
              kernels, as ``generate`` runs them (eagerly, so that the hooks fire: a CUDA-graph replay equals the
              eager step bit for bit).
@@ -139,10 +139,7 @@ def diagnose(engine: Engine, prompts: list[list[int]], completions: list[list[in
     num_layers = len(_layers(model))
     prompts = [list(map(int, p)) for p in prompts]
     completions = [list(map(int, c)) for c in completions]
-    if len(prompts) != len(completions) or not prompts:
-        raise ValueError(f"diagnose needs one completion per prompt, got {len(prompts)} prompts and "
-                         f"{len(completions)} completions")
-    # the trainer's activations, per (layer, site): one (positions, hidden) tensor per pair
+    # the trainer's activations (batch_trainer_logprobs refuses mismatched or empty pairs first), per (layer, site): one (positions, hidden) tensor per pair
     with _recording(model) as pending, torch.no_grad():
         trainer_lp = batch_trainer_logprobs(model, prompts, completions, temperature)
     trainer: dict[tuple[int, str], list[Tensor]] = {}

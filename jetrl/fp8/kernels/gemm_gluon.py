@@ -235,8 +235,8 @@ def gemm_mid_m(a_codes: torch.Tensor, a_scales: torch.Tensor, b_codes: torch.Ten
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
     grid = (min(tiles, _sm_count(a_codes.device)),)
     unroll = cfg.unroll if k % (cfg.unroll * GROUP) == 0 else 2
-    if pdl is None:
-        pdl = m <= _pdl.PDL_MAX_M and _pdl.pdl_enabled(a_codes.device)
+    if pdl is None:  # the rule by which the kernel writing its input releases early
+        pdl = _pdl.release_rows(a_codes.device, m)
     _gemm_kernel[grid](a_desc, b_desc, a_scales, b_scales, out, m, n, k, a_scales.stride(0), a_scales.stride(1),
                        b_scales.stride(0), out.stride(0), STAGES=cfg.stages, UNROLL=unroll, num_warps=4,
                        **({"PDL": True, "launch_pdl": True} if pdl else {}))
