@@ -10,9 +10,9 @@ Method (teacher forcing). The given completions are scored twice:
 
     trainer  one causal forward over prompt + completion in the train precision phase, without autograd: the GRPO
              trainer's old-logprob pass (:func:`jetrl.rl.logprobs.batch_trainer_logprobs`);
-    rollout  :func:`jetrl.engine.scoring.score` (``Engine.score``): one prefill of the prompts, then one decode step per completion
-             token, in the rollout phase, with the engine's KV cache (FP8 codes under ``jet_kv``) and decode
-             kernels, as ``generate`` runs them (eagerly, so that the hooks fire: a CUDA-graph replay equals the
+    rollout  :func:`jetrl.engine.scoring.score` (``Engine.score``): one prefill of the prompts, then one decode
+             step per completion token, in the rollout phase, with the engine's KV cache (FP8 codes under
+             ``jet_kv``) and decode kernels, as ``generate`` runs them (eagerly, so that the hooks fire: a CUDA-graph replay equals the
              eager step bit for bit).
 
 Forward hooks read five sites of every layer, in forward order: ``attn_core`` (the attention's output, o_proj's
