@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     diag.add_argument("--max-tokens", type=int, default=32)
     diag.add_argument("--seed", type=int, default=0)
     diag.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    diag.add_argument("--device", default=None, metavar="{cpu,cuda}",
+                      help="where to run both forwards (default: cuda when available); on the CPU `jet` and "
+                           "`jet_kv` are bit-exact, on CUDA the decode kernels' rounding shows")
 
     export = sub.add_parser("export", help="write a checkpoint as an HF dir in BF16 or fine-grained FP8")
     export.add_argument("--run", required=True, metavar="RUN_DIR_OR_CHECKPOINT",
@@ -142,7 +145,8 @@ def _diagnose(args: argparse.Namespace) -> int:
     from jetrl.run.generate import read_prompts
 
     diagnose_main(args.model, read_prompts(args.prompt, args.prompts_file), recipe=args.recipe, dtype=args.dtype,
-                  n=args.n, temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, raw=args.raw)
+                  n=args.n, temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, raw=args.raw,
+                  device=args.device)
     return 0
 
 

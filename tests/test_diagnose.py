@@ -106,7 +106,8 @@ def test_cli_prints_the_table_and_a_json_line(tmp_path, capsys):
     torch.manual_seed(0)
     save_pretrained(CausalLM(tiny_model_config()), tiny_model_config(), tmp_path, dtype=torch.float32)
     build_tiny_tokenizer().save_pretrained(str(tmp_path))
-    argv = ["diagnose", "--model", str(tmp_path), "--prompt", "12+30=", "--raw", "--n", "2", "--max-tokens", "4"]
+    argv = ["diagnose", "--model", str(tmp_path), "--prompt", "12+30=", "--raw", "--n", "2", "--max-tokens", "4",
+            "--device", "cpu"]  # the CPU's bit-exact claim holds on a GPU machine too
     assert main([*argv, "--recipe", "fp8kv_rollout"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     result = json.loads(out[-1])
@@ -116,6 +117,8 @@ def test_cli_prints_the_table_and_a_json_line(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["first_divergence"] is None
     assert main([*argv, "--temperature", "0"]) == 2  # a one-line error, no traceback
     assert "must be > 0" in capsys.readouterr().err
+    assert main([*argv[:-2], "--device", "tpu"]) == 2
+    assert "use 'cpu' or 'cuda'" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

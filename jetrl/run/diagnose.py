@@ -26,6 +26,10 @@ def diagnose_main(model: str, prompts: list[Any], *, recipe: str = "jet", dtype:
                          "must be > 0 (1.0 is the policy itself)")
     if n < 1 or max_tokens < 1:
         raise ValueError(f"--n {n} and --max-tokens {max_tokens} must be >= 1")
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"--device {device!r}: use 'cpu' or 'cuda' (or leave it out: cuda when available)")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this torch sees no CUDA GPU; use --device cpu")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     net, tokenizer, path = load_model(model, dtype, recipe=recipe, device=device)
     prompt_ids = encode_prompts(tokenizer, prompts, raw)
