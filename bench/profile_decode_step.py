@@ -1,6 +1,7 @@
 """Profile of one engine decode step (CUDA-graph replay, 4 layers of an 8B-shaped Qwen3 + lm_head,
-B = ``BATCH`` rows (default 256; section (g)'s rollout runs 64), mean context 640) under `bf16`, `jet` and
-`jet_kv`: kernels per step and GPU time per kernel. The evidence behind docs/benchmarks.md section (d). GPU only.
+B = ``BATCH`` rows (default 256; section (g)'s rollout runs 64), mean context ``CONTEXT`` (default 640)) under
+`bf16`, `jet` and `jet_kv`: kernels per step and GPU time per kernel. The evidence behind docs/benchmarks.md
+section (d). GPU only.
 
     PYTHONPATH=. python3 bench/profile_decode_step.py
 """
@@ -25,7 +26,7 @@ def main() -> None:
     model = random_model(cfg.model_config(4), DEV, torch.bfloat16)
     for recipe in ("bf16", "jet", "jet_kv"):
         set_recipe(model, recipe)
-        lengths = spread_lengths(B, 640)
+        lengths = spread_lengths(B, int(os.environ.get("CONTEXT", "640")))
         engine = Engine(model, max_slots=B, max_len=max(lengths) + 2)
         fill_cache(engine.cache, model.config, lengths, DEV, torch.bfloat16)
         with torch.no_grad(), precision_phase("rollout"):

@@ -148,6 +148,21 @@ for x, dtype, pow2 in cases:
             assert torch.equal(bits(codes), bits(ref_codes)) and torch.equal(bits(scales), bits(ref_scales))
         else:
             assert codes is None and scales is None
+    if x.dim() == 4:  # a KV cache's prefill: codes and scales written into (slots, H, max_len) buffers at the slots
+        S, L = x.shape[0] + 2, x.shape[2] + 3
+        cache_codes = torch.full((S, x.shape[1], L, d), 7, dtype=torch.uint8)
+        cache_scales = torch.full((S, x.shape[1], L), -1.0)
+        slots = torch.tensor([3, 0][: x.shape[0]] + list(range(4, 4 + x.shape[0] - 2)))
+        out, codes, scales = quantize_dequantize_triton(x, pow2, into=(cache_codes, cache_scales, slots))
+        assert codes is None and scales is None and out.stride() == x.stride()
+        assert torch.equal(bits(out)[~nan], bits(want)[~nan])
+        T = x.shape[2]
+        assert torch.equal(cache_codes[slots, :, :T], bits(ref_codes).view(x.shape))
+        assert torch.equal(bits(cache_scales[slots, :, :T]), bits(ref_scales).view(x.shape[:-1]))
+        untouched = torch.ones(S, dtype=torch.bool)
+        untouched[slots] = False
+        assert (cache_codes[untouched] == 7).all() and (cache_codes[:, :, T:] == 7).all()
+        assert (cache_scales[untouched] == -1).all() and (cache_scales[:, :, T:] == -1).all()
 print("OK")
 """
 
@@ -172,8 +187,9 @@ def test_gpu_paths_compile_for_hopper():
                              {"x_ptr": "*bf16", "codes_ptr": "*u8"})
     assert "cvt.rn.satfinite.e4m3x2.f32" in quant.asm["ptx"]
     fake = compile_for_sm90(quant_triton._quantize_dequantize_kernel,
-                            {"D": 128, "TILE_R": 32, "POW2": True, "EXPLICIT_ROUND": False, "WRITE_CODES": True},
-                            {"x_ptr": "*bf16", "out_ptr": "*bf16", "codes_ptr": "*u8"})
+                            {"D": 128, "TILE_R": 32, "POW2": True, "EXPLICIT_ROUND": False, "WRITE_CODES": True,
+                             "SLOTS": True},
+                            {"x_ptr": "*bf16", "out_ptr": "*bf16", "codes_ptr": "*u8", "slots_ptr": "*i64"})
     assert "cvt.rn.satfinite.e4m3x2.f32" in fake.asm["ptx"] and fake.asm["cubin"]
     gemm = compile_for_sm90(gemm_triton._gemm_small_m_kernel,
                             {"GROUPS_PER_SPLIT": 8, "SPLIT_K": 4, "BLOCK_M": 16, "BLOCK_N": 64},
@@ -186,6 +202,9 @@ def test_gpu_paths_compile_for_hopper():
                                  {"k_ptr": "*bf16", "v_ptr": "*bf16", "lengths_ptr": "*i64", "ck_ptr": cache,
                                   "cv_ptr": cache})
         assert store.asm["cubin"]
+    prefill = compile_for_sm90(kv_store_triton._store_prefill_kernel, {"D": 128, "TILE_R": 32},
+                               {"x_ptr": "*bf16", "buf_ptr": "*bf16", "slots_ptr": "*i64"})
+    assert prefill.asm["cubin"]
     bf16 = {"X_DTYPE": tl.bfloat16, "OUT_DTYPE": tl.bfloat16, "EMULATE": False}
     norm = compile_for_sm90(fused_triton._rms_norm_kernel, {"BLOCK_R": 1, "BLOCK_C": 4096, **bf16},
                             {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"}, floats=("eps",))

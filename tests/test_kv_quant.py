@@ -287,6 +287,32 @@ def test_decode_view_attend_protocol_matches_the_reference_path(monkeypatch, rec
         assert torch.equal(_bits(fused.cache.k_scale), _bits(reference.cache.k_scale))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pow2", [True, False])
+def test_prefill_store_on_cuda_is_the_reference_store_bit_for_bit(pow2):
+    """On CUDA a prefill quantizes, stores and decodes K/V in one Triton pass per tensor (store_quantized_kv); the
+    cache's codes and scales, and what attention reads, must be the CPU reference path's, bit for bit."""
+    pytest.importorskip("triton")
+    k = _kv_like((3, 8, 40, 128), seed=7, dtype=torch.bfloat16)
+    v = _kv_like((3, 40, 8, 128), seed=8, dtype=torch.bfloat16).transpose(1, 2)  # the model's layout: a view
+    k[1, 2, 5, 9] = float("nan")
+    slots, lengths = torch.tensor([4, 0, 2]), torch.tensor([40, 33, 17])
+    caches, reads = [], []
+    for device in ("cpu", "cuda"):
+        cache = StaticKVCache(2, 5, 8, 48, 128, torch.bfloat16, device, kv_spec=fp8.KVCacheSpec(pow2_scale=pow2))
+        reads.append([t.cpu() for t in cache.prefill(slots.to(device), lengths.to(device)).update(1, k.to(device),
+                                                                                               v.to(device))])
+        caches.append(cache)
+    (cpu, gpu), int16 = caches, torch.int16
+    for name in ("k", "v", "k_scale", "v_scale"):
+        want, got = getattr(cpu, name), getattr(gpu, name).cpu()
+        assert torch.equal(_bits(got[1, slots, :, :40]), _bits(want[1, slots, :, :40])), name
+    assert reads[0][0].isnan().any()  # the NaN's token-head decodes to NaN on both paths
+    for want, got in zip(*reads):
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan) and torch.equal(got[~nan].view(int16), want[~nan].view(int16))
+
+
 def test_static_cache_stores_fp8_through_byte_views():
     cache = StaticKVCache(1, 3, 2, 6, 64, torch.float32, "cpu", kv_spec=fp8.KVCacheSpec())
     k, v = _kv_like((2, 2, 4, 64), seed=5), _kv_like((2, 2, 4, 64), seed=6)

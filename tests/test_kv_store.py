@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,6 +50,18 @@ cache.lengths.copy_(torch.tensor([S, -1, S + 5, 0, 0, 0]))
 cache.decode(3).store_fused(1, k[:3], v[:3])
 assert all(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))  # bitwise
            for a, b in zip(cache.storage(1), before))
+
+# a prefill into a model-dtype cache: store_prefill_triton(x, buf, slots) is buf[slots, :, :T] = x, bit for bit
+from jetrl.engine.kernels.kv_store_triton import store_prefill_triton
+for dtype in (torch.bfloat16, torch.float32):
+    x = torch.randn(3, 7, Hkv, D).to(dtype).transpose(1, 2)  # (B, Hkv, T, D), the model's strided view
+    x[0, 1, 2, 3] = float("nan")
+    bufs = [torch.full((slots, Hkv, S, D), 5.0, dtype=dtype) for _ in range(2)]
+    rows = torch.tensor([4, 0, 2])
+    store_prefill_triton(x, bufs[0], rows)
+    bufs[1][rows, :, :7] = x
+    assert torch.equal(bufs[0].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       bufs[1].view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), dtype
 print("OK")
 """
 
@@ -59,3 +72,26 @@ def test_fused_store_matches_reference_in_interpreter():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], check=False, env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_prefill_store_on_cuda_is_the_indexed_store():
+    """An engine's BF16 cache on CUDA takes a prefill's K/V through store_prefill_triton: the same bits as the
+    indexed store, untouched slots and positions left alone."""
+    pytest.importorskip("triton")
+    from jetrl.engine.kv_cache import StaticKVCache
+
+    k = torch.randn(3, 40, 8, 128, dtype=torch.bfloat16).transpose(1, 2)
+    v = torch.randn(3, 8, 40, 128, dtype=torch.bfloat16)
+    slots, lengths = torch.tensor([4, 0, 2]), torch.tensor([40, 33, 17])
+    caches = []
+    for device, fused in (("cpu", False), ("cuda", True)):
+        cache = StaticKVCache(2, 5, 8, 48, 128, torch.bfloat16, device)
+        cache.k.fill_(3.0)
+        cache.v.fill_(3.0)
+        cache.use_decode_kernel = fused
+        kd, vd = k.to(device), v.to(device)
+        assert cache.prefill(slots.to(device), lengths.to(device)).update(1, kd, vd) == (kd, vd)  # read as given
+        caches.append(cache)
+    for name in ("k", "v"):
+        assert torch.equal(getattr(caches[1], name).cpu().view(torch.int16), getattr(caches[0], name).view(torch.int16))

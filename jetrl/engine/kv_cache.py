@@ -17,7 +17,8 @@ FP8 cache (``kv_spec`` given, from the recipe's rollout ``kv_cache`` op): K/V ar
 float8_e4m3fn codes + fp32 scales by :func:`jetrl.fp8.kv_quant.quantize_kv` -- the quantizer the
 trainer's forward applies to the same K/V -- and read back with :func:`~jetrl.fp8.kv_quant.dequantize_kv`
 in the model dtype, so attention sees exactly the trainer's quantize->dequantize values, prefill
-included (a prefill attends over the dequantized prompt K/V, not the ones it just computed). The
+included (a prefill attends over the dequantized prompt K/V, not the ones it just computed; on CUDA
+:func:`~jetrl.fp8.kv_quant.store_quantized_kv` quantizes, stores and decodes them in one pass). The
 codes are written through uint8 views: ``scatter_`` is not implemented for float8 dtypes (torch
 2.13 CPU), and a byte copy is exact. Memory per token-head: head_dim + 4 bytes, about
 0.52x of BF16 at head_dim 128.
@@ -46,7 +47,8 @@ reads FP8 codes and scales directly instead of materializing a dequantized cache
 K/V are written (and quantized) by one fused kernel (``kernels/kv_store_triton.py``, spec
 :meth:`DecodeView.store_reference`). No host sync, so a decode step stays CUDA-graph capturable.
 The CPU path never uses them: it dequantizes and runs the model's own attention, the reference the
-kernel is tested against.
+kernel is tested against. With the flag set a prefill's store into a model-dtype cache is one Triton
+pass too (``store_prefill_triton``: PyTorch's indexed store of a transposed K/V runs at ~0.8 TB/s).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jetrl.fp8.kv_quant import dequantize_kv, kv_names, quantize_kv
+from jetrl.fp8.kv_quant import dequantize_kv, kv_names, quantize_kv, store_quantized_kv
 from jetrl.fp8.quant import E4M3
 from jetrl.fp8.recipe import KVCacheSpec
 from jetrl.models.config import ModelConfig
@@ -126,26 +128,16 @@ class StaticKVCache:
         return self.k.nbytes + self.v.nbytes + scales
 
     # ------------------------------------------------------------------ storage format
-    def encode(self, layer_idx: int, k: Tensor, v: Tensor, *, want_read: bool = True
-               ) -> tuple[tuple[Tensor, ...], tuple[Tensor, Tensor] | None]:
-        """This call's k/v (B, Hkv, T, D) as stored, and (if ``want_read``) as attention must read them.
-
-        Returns ``(stored, read)``: ``stored`` is (k, v) for a model-dtype cache, or (k codes as
-        uint8, v codes as uint8, k scales (B, Hkv, T), v scales) for an FP8 cache, in the order of
-        :meth:`storage`; ``read`` is (k, v) in the model dtype (dequantized for FP8), or None when
-        not wanted (a decode step reads the whole rows back from the cache instead).
-        """
+    def encode(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, ...]:
+        """This call's k/v (B, Hkv, T, D) as stored, in the order of :meth:`storage`: (k, v) for a model-dtype
+        cache, or (k codes as uint8, v codes as uint8, k scales (B, Hkv, T), v scales) for an FP8 cache."""
         if not self.is_fp8:
-            return (k, v), (k, v)
-        pow2 = self.pow2_scales
+            return k, v
         k_name, v_name = kv_names(layer_idx)
-        kq, vq = quantize_kv(k, pow2_scale=pow2, name=k_name), quantize_kv(v, pow2_scale=pow2, name=v_name)
-        k_codes, v_codes = kq.codes.view(k.shape), vq.codes.view(v.shape)
-        k_scales, v_scales = kq.scales.view(k.shape[:-1]), vq.scales.view(v.shape[:-1])
-        stored = (k_codes.view(torch.uint8), v_codes.view(torch.uint8), k_scales, v_scales)
-        if not want_read:
-            return stored, None
-        return stored, (dequantize_kv(k_codes, k_scales, self.dtype), dequantize_kv(v_codes, v_scales, self.dtype))
+        kq = quantize_kv(k, pow2_scale=self.pow2_scales, name=k_name)
+        vq = quantize_kv(v, pow2_scale=self.pow2_scales, name=v_name)
+        return (kq.codes.view(k.shape).view(torch.uint8), vq.codes.view(v.shape).view(torch.uint8),
+                kq.scales.view(k.shape[:-1]), vq.scales.view(v.shape[:-1]))
 
     def storage(self, layer_idx: int) -> tuple[Tensor, ...]:
         """Layer ``layer_idx``'s writable buffers: (k, v), or (k codes uint8, v codes uint8, k_scale, v_scale)."""
@@ -210,10 +202,21 @@ class PrefillView:
         T = k.shape[2]  # k, v: (B, Hkv, T, D)
         if T > self.cache.max_len:
             raise ValueError(f"prefill of {T} positions exceeds the cache's max_len={self.cache.max_len}")
-        stored, read = self.cache.encode(layer_idx, k, v)
-        for buf, value in zip(self.cache.storage(layer_idx), stored):
-            buf[self.slots, :, :T] = value
-        return read  # attend within the prompt only (causal), over what the cache holds
+        cache = self.cache
+        if cache.is_fp8:  # one pass per tensor on CUDA: quantize, store codes and scales, return the decode
+            k_codes, v_codes, k_scales, v_scales = cache.storage(layer_idx)
+            k_name, v_name = kv_names(layer_idx)
+            return (store_quantized_kv(k, k_codes, k_scales, self.slots, pow2_scale=cache.pow2_scales, name=k_name),
+                    store_quantized_kv(v, v_codes, v_scales, self.slots, pow2_scale=cache.pow2_scales, name=v_name))
+        fused = cache.use_decode_kernel and k.is_cuda and k.shape[-1] & (k.shape[-1] - 1) == 0
+        for buf, value in zip(cache.storage(layer_idx), (k, v)):
+            if fused:
+                from jetrl.engine.kernels.kv_store_triton import store_prefill_triton  # lazy: Triton
+
+                store_prefill_triton(value, buf, self.slots)
+            else:
+                buf[self.slots, :, :T] = value
+        return k, v  # attend within the prompt only (causal), over what the cache holds
 
 
 class DecodeView:
@@ -255,7 +258,7 @@ class DecodeView:
         B, H, _, D = k.shape
         if self._index is None:  # same for every layer: (B, Hkv, 1, D) copies of lengths[s]
             self._index = self.cache.lengths[:B].view(B, 1, 1, 1).expand(B, H, 1, D)
-        stored, _ = self.cache.encode(layer_idx, k, v, want_read=False)
+        stored = self.cache.encode(layer_idx, k, v)
         for buf, value in zip(self.cache.storage(layer_idx), stored):
             rows = buf[:B]  # a view: (B, Hkv, max_len, D) data or (B, Hkv, max_len) scales
             index = self._index if value.dim() == 4 else self._index[..., 0]

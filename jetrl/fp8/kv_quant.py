@@ -102,6 +102,29 @@ def quantize_dequantize_kv(x: Tensor, *, pow2_scale: bool = False, name: str = "
     return dequantize_kv(q.codes.view(x.shape), q.scales.view(x.shape[:-1]), x.dtype)
 
 
+def store_quantized_kv(x: Tensor, codes: Tensor, scales: Tensor, slots: Tensor, *, pow2_scale: bool = False,
+                       name: str = "kv") -> Tensor:
+    """A KV cache's prefill write: q(x)'s codes and scales stored at ``[slots[i], :, :T]`` of one layer's buffers,
+    and deq(q(x)) returned -- what attention must read, equal bit for bit to :func:`quantize_dequantize_kv` (x).
+
+    x is (B, Hkv, T, D); ``codes`` (slots, Hkv, max_len, D) uint8 and ``scales`` (slots, Hkv, max_len) fp32 are
+    the cache's buffers, ``slots`` (B,) int64 on x's device. On CUDA one Triton pass (the quantize->dequantize
+    kernel writing the codes into the cache); elsewhere, or while a recorder is open (it wants the codes
+    as a tensor), :func:`quantize_kv`, :func:`dequantize_kv` and indexed stores, with the same bits."""
+    T, D = x.shape[2:]
+    fused = x.is_cuda and x.dtype in KERNEL_FLOAT_DTYPES and not recording() and quant_backend(x.device) == "triton"
+    if fused:
+        from jetrl.fp8.kernels.quant_triton import GROUP_WIDTHS, quantize_dequantize_triton
+
+        if D in GROUP_WIDTHS and codes.stride(-1) == 1:
+            return quantize_dequantize_triton(x, pow2_scale, into=(codes, scales, slots))[0]
+    q = quantize_kv(x, pow2_scale=pow2_scale, name=name)
+    q_codes, q_scales = q.codes.view(x.shape), q.scales.view(x.shape[:-1])
+    codes[slots, :, :T] = q_codes.view(torch.uint8)
+    scales[slots, :, :T] = q_scales
+    return dequantize_kv(q_codes, q_scales, x.dtype)
+
+
 class _FakeQuantizeKV(torch.autograd.Function):
     """forward: deq(q(x)) in x.dtype; backward: identity (straight-through, module docstring)."""
 

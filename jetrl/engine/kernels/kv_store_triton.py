@@ -1,4 +1,6 @@
-"""Triton: a decode step's K/V written into the static cache, quantized on the way, in one launch.
+"""Triton: a decode step's K/V written into the static cache, quantized on the way, in one launch
+(and a prefill's K/V into a model-dtype cache: ``store_prefill_triton``; an FP8 cache's prefill store is
+the quantize->dequantize kernel's, :func:`jetrl.fp8.kv_quant.store_quantized_kv`).
 
 Spec: :meth:`jetrl.engine.kv_cache.DecodeView.store_reference` -- for each row b and kv head h,
 ``cache[b, h, lengths[b]] = k[b, h]`` (and v), where an FP8 cache first quantizes each head
@@ -76,3 +78,31 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, cac
         ssb, ssh, D=D, BLOCK_H=triton.next_power_of_2(H), FP8=fp8, POW2=pow2_scale,
         EXPLICIT_ROUND=explicit_round(), num_warps=4,
     )
+
+
+@triton.jit
+def _store_prefill_kernel(x_ptr, buf_ptr, slots_ptr, N, S1, S2, sx0, sx1, sx2, sx3, sb0, sb1, sb2,
+                          D: tl.constexpr, TILE_R: tl.constexpr):
+    # rows of D elements of x (S0, S1, S2, D), numbered row-major and read through x's strides (the model's K/V
+    # are transposed views); row (i0, i1, i2) goes to buf[slots[i0], i1, i2]
+    rows = tl.program_id(0).to(tl.int64) * TILE_R + tl.arange(0, TILE_R)
+    ok = rows < N
+    i2, i01 = rows % S2, rows // S2
+    i1, i0 = i01 % S1, i01 // S1
+    d = tl.arange(0, D)
+    x = tl.load(x_ptr + (i0 * sx0 + i1 * sx1 + i2 * sx2)[:, None] + d[None, :] * sx3, mask=ok[:, None])
+    slot = tl.load(slots_ptr + i0, mask=ok, other=0)
+    tl.store(buf_ptr + (slot * sb0 + i1 * sb1 + i2 * sb2)[:, None] + d[None, :], x, mask=ok[:, None])
+
+
+def store_prefill_triton(x: torch.Tensor, buf: torch.Tensor, slots: torch.Tensor) -> None:
+    """``buf[slots, :, :T] = x`` for x (B, Hkv, T, D) of any strides and buf (S, Hkv, max_len, D) with unit last
+    stride, one pass (PyTorch's indexed store runs at ~0.8 TB/s on a prefill's transposed K/V: docs/benchmarks.md
+    (e)). D a power of two; the same bits as the indexed store (a copy)."""
+    B, H, T, D = x.shape
+    assert buf.dim() == 4 and buf.shape[1] == H and buf.shape[2] >= T and buf.shape[3] == D and buf.stride(3) == 1
+    assert buf.dtype == x.dtype and slots.shape == (B,) and D & (D - 1) == 0, (x.shape, buf.shape, slots.shape)
+    n = B * H * T
+    tile_r = max(16, 4096 // D)
+    _store_prefill_kernel[(triton.cdiv(n, tile_r),)](
+        x, buf, slots, n, H, T, *x.stride(), *buf.stride()[:3], D=D, TILE_R=tile_r, num_warps=4)

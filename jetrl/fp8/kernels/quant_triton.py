@@ -166,13 +166,15 @@ def _quantize_kernel(
 
 @triton.jit
 def _quantize_dequantize_kernel(
-    x_ptr, out_ptr, codes_ptr, scales_ptr, N, S1, S2,
-    sx0, sx1, sx2, sx3, so0, so1, so2, so3,
+    x_ptr, out_ptr, codes_ptr, scales_ptr, slots_ptr, N, S1, S2,
+    sx0, sx1, sx2, sx3, so0, so1, so2, so3, sc0, sc1, sc2, ss0, ss1, ss2,
     D: tl.constexpr, TILE_R: tl.constexpr, POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr,
-    WRITE_CODES: tl.constexpr,
+    WRITE_CODES: tl.constexpr, SLOTS: tl.constexpr = False,
 ):
     # rows of D elements of a 4-D view (S0, S1, S2, D), numbered row-major, each read and written
-    # through its own strides (the trainer's V is a transposed view: no copy in, the same layout out)
+    # through its own strides (the trainer's V is a transposed view: no copy in, the same layout out);
+    # row (i0, i1, i2)'s codes and scale go to [i0, i1, i2] of their buffers, or to [slots[i0], i1, i2]
+    # (SLOTS: a KV cache's prefill writes each prompt's rows into its slot)
     rows = tl.program_id(0).to(tl.int64) * TILE_R + tl.arange(0, TILE_R)
     ok = rows < N
     i2, i01 = rows % S2, rows // S2
@@ -190,31 +192,53 @@ def _quantize_dequantize_kernel(
     tl.store(out_ptr + (i0 * so0 + i1 * so1 + i2 * so2)[:, None] + cols[None, :] * so3,
              y.to(out_ptr.dtype.element_ty), mask=ok[:, None])
     if WRITE_CODES:
-        tl.store(codes_ptr + rows[:, None] * D + cols[None, :], code_bits, mask=ok[:, None])
-        tl.store(scales_ptr + rows, scale, mask=ok)
+        if SLOTS:
+            i0 = tl.load(slots_ptr + i0, mask=ok, other=0)
+        tl.store(codes_ptr + (i0 * sc0 + i1 * sc1 + i2 * sc2)[:, None] + cols[None, :], code_bits, mask=ok[:, None])
+        tl.store(scales_ptr + i0 * ss0 + i1 * ss1 + i2 * ss2, scale, mask=ok)
 
 
 def quantize_dequantize_triton(
-    x: torch.Tensor, pow2_scale: bool, *, with_codes: bool = False
+    x: torch.Tensor, pow2_scale: bool, *, with_codes: bool = False,
+    into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """deq(q(x)) per 1 x D row (D = x.shape[-1] in GROUP_WIDTHS, x of 1 to 4 dims) in one pass:
     ``(codes.float() * scales).to(x.dtype)`` of ``quantize_reference(x.reshape(-1, D), 1, D, pow2_scale)``,
     bit for bit, in x's own layout (``empty_like``). With ``with_codes`` also those codes (N, D) and
-    scales (N, 1), for the recorders; else None, None."""
+    scales (N, 1), for the recorders; else None, None.
+
+    ``into = (codes, scales, slots)``: x is (S0, S1, S2, D) and the codes and scale of its row (i, j, t) are
+    written at ``codes[slots[i], j, t]`` and ``scales[slots[i], j, t]`` (a KV cache layer's (slots, Hkv,
+    max_len, D) uint8 codes and (slots, Hkv, max_len) fp32 scales, last dims contiguous); returns out, None,
+    None. The same pass, so the cache holds exactly the codes whose decode ``out`` is."""
     assert 1 <= x.dim() <= 4 and x.shape[-1] in GROUP_WIDTHS and x.numel(), (x.shape, x.dtype)
     d = x.shape[-1]
     n = x.numel() // d
     out = torch.empty_like(x)
     x4, o4 = x[(None,) * (4 - x.dim())], out[(None,) * (4 - x.dim())]
-    codes = torch.empty((n, d), dtype=E4M3, device=x.device) if with_codes else None
-    scales = torch.empty((n, 1), dtype=torch.float32, device=x.device) if with_codes else None
+    slots = None
+    if into is not None:
+        codes, scales, slots = into
+        assert x.dim() == 4 and codes.dim() == 4 and scales.dim() == 3 and slots.shape == (x.shape[0],), (
+            x.shape, codes.shape, scales.shape, slots.shape)
+        assert codes.shape[1:] == (x.shape[1], codes.shape[2], d) and codes.shape[2] >= x.shape[2], (x.shape, codes.shape)
+        assert codes.stride(3) == 1 and codes.element_size() == 1 and scales.dtype == torch.float32
+        c4, s3 = codes.view(torch.uint8), scales
+    elif with_codes:
+        codes = torch.empty((n, d), dtype=E4M3, device=x.device)
+        scales = torch.empty((n, 1), dtype=torch.float32, device=x.device)
+        c4, s3 = codes.view(torch.uint8).view(x4.shape), scales.view(x4.shape[:3])
+    else:
+        codes = scales = None
+        c4, s3 = o4, o4[..., 0]  # never written (WRITE_CODES off)
     tile_r = max(32, 4096 // d)
     _quantize_dequantize_kernel[(triton.cdiv(n, tile_r),)](
-        x4, o4, out if codes is None else codes.view(torch.uint8), out if scales is None else scales,
-        n, x4.shape[1], x4.shape[2], *x4.stride(), *o4.stride(),
-        D=d, TILE_R=tile_r, POW2=pow2_scale, EXPLICIT_ROUND=explicit_round(), WRITE_CODES=with_codes, num_warps=4,
+        x4, o4, c4, s3, out if slots is None else slots,
+        n, x4.shape[1], x4.shape[2], *x4.stride(), *o4.stride(), *c4.stride()[:3], *s3.stride(),
+        D=d, TILE_R=tile_r, POW2=pow2_scale, EXPLICIT_ROUND=explicit_round(), WRITE_CODES=codes is not None,
+        SLOTS=slots is not None, num_warps=4,
     )
-    return out, codes, scales
+    return (out, None, None) if into is not None else (out, codes, scales)
 
 
 def explicit_round() -> bool:
