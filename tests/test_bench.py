@@ -208,6 +208,42 @@ def test_recipes_switch_in_place_on_shared_parameters():
     assert abs((bf16_bytes - fp8_bytes) - linear) < 0.01 * linear
 
 
+def test_float8_linear_rows_time_a_fresh_input_quantization_every_call(monkeypatch):
+    """(b) feeds one x again and again; Float8Linear keeps the last input's quantization for siblings, so the bench
+    must forget it before each timed call, or the FP8 rows skip x's quantization that training pays every step."""
+    from jetrl.bench import kernels
+    from jetrl.fp8 import linear
+
+    calls = {"n": 0}
+    real_both, real_one = linear._quantize_both, linear.quantize
+
+    def counting(t, rows, tokens, name):
+        calls["n"] += name.endswith(".input")
+        return real_both(t, rows, tokens, name)
+
+    def counting_one(t, block, **kw):
+        calls["n"] += kw.get("name", "").endswith(".input")
+        return real_one(t, block, **kw)
+
+    timed = {"n": 0}
+
+    def time_ms(fn, **timer):
+        before = calls["n"]
+        for _ in range(3):
+            fn()
+        timed["n"] += 1
+        timed.setdefault("input_quantizations", []).append(calls["n"] - before)
+        return 1.0
+
+    monkeypatch.setattr(linear, "_quantize_both", counting)
+    monkeypatch.setattr(linear, "quantize", counting_one)
+    monkeypatch.setattr(kernels, "time_ms", time_ms)
+    kernels._linear_rows(smoke_config(), torch.device("cpu"), "o", 32, 256, 256)
+    # timed in order: fwd bf16, fwd fp8, fwd+bwd bf16, fwd+bwd fp8, then the GEMMs and the quantization alone:
+    # each FP8 call quantizes x once (three calls per timing here)
+    assert timed["input_quantizations"][:4] == [0, 3, 0, 3] and sum(timed["input_quantizations"]) == 6
+
+
 def test_h200_shapes_are_qwen3_8b():
     cfg = h200_config()
     assert cfg.layer_gemms() == [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 24576),

@@ -47,6 +47,7 @@ from jetrl.bench.torchao_baseline import torchao_fields
 from jetrl.fp8 import Float8Blocks, Float8Linear, fp8_gemm, gemm_emulated, get_recipe, override_backend, quantize
 from jetrl.fp8 import gemm as gemm_module
 from jetrl.fp8 import quant as quant_module
+from jetrl.fp8.linear import clear_shared_input
 from jetrl.fp8.recipe import precision_phase
 
 QUANT_TARGET_TB_S = 2.5
@@ -198,15 +199,25 @@ def _linear_rows(cfg: BenchConfig, device: torch.device, name: str, m: int, k: i
 
     xg = x.clone().requires_grad_()
 
+    # Every timed call is fed the same x, and Float8Linear keeps the last input's quantization for sibling layers
+    # (input_memo.py): it is forgotten before each call, so every call pays the quantization a fresh activation
+    # does in training (without this the FP8 rows skipped x's quantization: runs before CF).
     def fwd_bwd(mod: nn.Module):
         def run() -> None:
+            clear_shared_input()
             mod.weight.grad = None
             xg.grad = None
             mod(xg).backward(dy)
         return run
 
+    def fwd(mod: nn.Module):
+        def run() -> torch.Tensor:
+            clear_shared_input()
+            return mod(x)
+        return run
+
     with torch.no_grad():
-        fwd_bf16, fwd_fp8 = time_ms(lambda: bf16(x), **timer), time_ms(lambda: fp8(x), **timer)
+        fwd_bf16, fwd_fp8 = time_ms(fwd(bf16), **timer), time_ms(fwd(fp8), **timer)
     fb_bf16, fb_fp8 = time_ms(fwd_bwd(bf16), **timer), time_ms(fwd_bwd(fp8), **timer)
     # the three FP8 GEMMs on pre-quantized operands, against the three BF16 GEMMs
     wq = fp8.weight_cache.get(fp8.weight, recipe.train.weight)

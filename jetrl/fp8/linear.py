@@ -98,6 +98,12 @@ def _quantize_both(t: torch.Tensor, rows: QuantSpec, tokens: QuantSpec, name: st
 _last_input = InputMemo()  # the last activation quantized, for sibling layers
 
 
+def clear_shared_input() -> None:
+    """Forget the held input quantization, so that the next Float8Linear call quantizes its input itself (a
+    benchmark that feeds one tensor again and again times what every fresh activation costs in training)."""
+    _last_input.clear()
+
+
 def share_input_quantization(x: torch.Tensor, spec: QuantSpec, quantized: Float8Blocks) -> None:
     """Offer ``quantized`` = ``quantize(x)`` in ``spec`` (column-major scales on CUDA) to the next Float8Linear
     that reads ``x`` without autograd, as a sibling's quantization is (producer_quant.py)."""
