@@ -208,13 +208,13 @@ class PrefillView:
             k_name, v_name = kv_names(layer_idx)
             return (store_quantized_kv(k, k_codes, k_scales, self.slots, pow2_scale=cache.pow2_scales, name=k_name),
                     store_quantized_kv(v, v_codes, v_scales, self.slots, pow2_scale=cache.pow2_scales, name=v_name))
-        fused = cache.use_decode_kernel and k.is_cuda and k.shape[-1] & (k.shape[-1] - 1) == 0
-        for buf, value in zip(cache.storage(layer_idx), (k, v)):
-            if fused:
-                from jetrl.engine.kernels.kv_store_triton import store_prefill_triton  # lazy: Triton
+        if cache.use_decode_kernel and k.is_cuda and k.shape[-1] & (k.shape[-1] - 1) == 0:
+            from jetrl.engine.kernels.kv_store_triton import store_prefill_triton  # lazy: Triton
 
-                store_prefill_triton(value, buf, self.slots)
-            else:
+            store_prefill_triton(k, cache.k[layer_idx], self.slots)
+            store_prefill_triton(v, cache.v[layer_idx], self.slots)
+        else:
+            for buf, value in zip(cache.storage(layer_idx), (k, v)):
                 buf[self.slots, :, :T] = value
         return k, v  # attend within the prompt only (causal), over what the cache holds
 
