@@ -20,7 +20,8 @@ from jetrl.fp8 import precision_phase
 
 KINDS = (  # first match wins: (kind, substrings of the kernel name)
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
-    ("gemm fp8", ("_gemm_kernel", "gemm_small_m", "sm90_xmma_gemm_e4m3", "e4m3", "f8f8", "blockscal", "fp8")),
+    # cuBLAS names its block-scaled FP8 kernels nvjet_..._qqtst_..._Ablk128_Bvec128 (run CC)
+    ("gemm fp8", ("_gemm_kernel", "gemm_small_m", "qqtst", "blk128", "e4m3", "f8f8", "blockscal", "fp8")),
     ("gemm bf16", ("gemm", "xmma", "cutlass", "nvjet", "sm90")),
     ("quant", ("quant",)),
     ("norm", ("rms", "norm")),
