@@ -208,7 +208,8 @@ class PrefillView:
             k_name, v_name = kv_names(layer_idx)
             return (store_quantized_kv(k, k_codes, k_scales, self.slots, pow2_scale=cache.pow2_scales, name=k_name),
                     store_quantized_kv(v, v_codes, v_scales, self.slots, pow2_scale=cache.pow2_scales, name=v_name))
-        if cache.use_decode_kernel and k.is_cuda and k.shape[-1] & (k.shape[-1] - 1) == 0:
+        if (cache.use_decode_kernel and k.is_cuda and k.shape[-1] & (k.shape[-1] - 1) == 0
+                and k.dtype == v.dtype == cache.k.dtype):  # else the indexed store (it casts)
             from jetrl.engine.kernels.kv_store_triton import store_prefill_triton  # lazy: Triton
 
             store_prefill_triton(k, cache.k[layer_idx], self.slots)
