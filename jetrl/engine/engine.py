@@ -290,19 +290,11 @@ class Engine:
         """Prefill each group's prompt once, fork its K/V to the group's slots, sample the first tokens."""
         dev = self.device
         lengths = [len(g[0].prompt_ids) for g in groups]
-        T = max(lengths)
-        ids = torch.zeros(len(groups), T, dtype=torch.int64)  # right padding, never seen by real tokens
-        for row, group in enumerate(groups):
-            ids[row, : lengths[row]] = torch.tensor(group[0].prompt_ids)
-        lengths_t = torch.tensor(lengths, device=dev)
-        first_slots = torch.tensor([g[0].slot for g in groups], device=dev)
-        hidden = self.model.hidden_states(ids.to(dev), kv_cache=self.cache.prefill(first_slots, lengths_t))
-        last = hidden[torch.arange(len(groups), device=dev), lengths_t - 1]  # (G, hidden)
-        logits = self.model.logits_from_hidden(last)  # (G, V) in the model dtype: lm_head at one position per prompt
+        logits = self._prefill_logits([g[0].prompt_ids for g in groups], [g[0].slot for g in groups])
         siblings = [(g[0].slot, s.slot) for g in groups for s in g[1:]]
         if siblings:
             src, dst = (torch.tensor(x, device=dev) for x in zip(*siblings))
-            self.cache.fork(src, dst, T)
+            self.cache.fork(src, dst, max(lengths))
         seqs = [s for g in groups for s in g]
         rows = torch.tensor([i for i, g in enumerate(groups) for _ in g], device=dev)
         slots = torch.tensor([s.slot for s in seqs], device=dev)
@@ -315,6 +307,19 @@ class Engine:
         self.stats.num_prefilled_prompts += len(groups)
         self.stats.num_prefill_tokens += sum(lengths)
         return seqs, tokens, logprobs
+
+    def _prefill_logits(self, prompts: list[list[int]], slots: list[int]) -> Tensor:
+        """One right-padded prefill forward: each prompt's K/V written into its slot (and the slot's length set),
+        and the logits (G, V), in the model dtype, at each prompt's last position (lm_head there only)."""
+        dev = self.device
+        lengths = [len(p) for p in prompts]
+        ids = torch.zeros(len(prompts), max(lengths), dtype=torch.int64)  # right padding, never seen by real tokens
+        for row, prompt in enumerate(prompts):
+            ids[row, : lengths[row]] = torch.tensor(prompt)
+        lengths_t = torch.tensor(lengths, device=dev)
+        hidden = self.model.hidden_states(ids.to(dev), kv_cache=self.cache.prefill(torch.tensor(slots, device=dev),
+                                                                                   lengths_t))
+        return self.model.logits_from_hidden(hidden[torch.arange(len(prompts), device=dev), lengths_t - 1])
 
     # ------------------------------------------------------------------ decode
     def _decode_forward(self, num_rows: int) -> Tensor:

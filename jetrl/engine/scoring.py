@@ -66,18 +66,12 @@ def score(engine: Engine, prompts: list[list[int]], completions: list[list[int]]
             engine._check_graph_weights()
         first_logits = []
         for rows in engine._pack(lengths):
-            T = max(lengths[i] for i in rows)
-            ids = torch.zeros(len(rows), T, dtype=torch.int64)
-            positions = torch.full((len(rows), T), -1, dtype=torch.int64)
-            for r, i in enumerate(rows):
-                ids[r, : lengths[i]] = torch.tensor(prompts[i])
-                positions[r, : lengths[i]] = torch.arange(lengths[i])
-            rows_t, lengths_t = torch.tensor(rows, device=dev), torch.tensor([lengths[i] for i in rows], device=dev)
-            hidden = engine.model.hidden_states(ids.to(dev), kv_cache=engine.cache.prefill(rows_t, lengths_t))
+            first_logits.append(engine._prefill_logits([prompts[i] for i in rows], rows))  # row i in slot i
             if after_forward is not None:
-                after_forward(rows_t.cpu(), positions)
-            first_logits.append(engine.model.logits_from_hidden(hidden[torch.arange(len(rows), device=dev),
-                                                                     lengths_t - 1]))
+                positions = torch.full((len(rows), max(lengths[i] for i in rows)), -1, dtype=torch.int64)
+                for r, i in enumerate(rows):
+                    positions[r, : lengths[i]] = torch.arange(lengths[i])
+                after_forward(torch.tensor(rows), positions)
         scored(torch.cat(first_logits), 0)  # chunks hold rows 0, 1, ... in order
         ends = torch.tensor([len(p) + len(c) - 1 for p, c in zip(prompts, completions)], device=dev)
         graphs = engine.use_cuda_graphs and after_forward is None  # hooks fire in an eager forward only

@@ -82,22 +82,31 @@ def dequantize_kv(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
     return (codes.float() * scales.unsqueeze(-1)).to(dtype)
 
 
+def _one_pass(x: Tensor) -> bool:
+    """Whether deq(q(x)) runs as the one Triton pass (quant_triton.quantize_dequantize_triton): CUDA with the
+    Triton quantizer, a kernel dtype, 2-4 dims, a head width the kernel takes."""
+    if not (x.is_cuda and 2 <= x.dim() <= 4 and x.numel() and x.dtype in KERNEL_FLOAT_DTYPES):
+        return False
+    if quant_backend(x.device) != "triton":
+        return False
+    from jetrl.fp8.kernels.quant_triton import GROUP_WIDTHS
+
+    return x.shape[-1] in GROUP_WIDTHS
+
+
 def quantize_dequantize_kv(x: Tensor, *, pow2_scale: bool = False, name: str = "kv") -> Tensor:
     """deq(q(x)) in ``x.dtype``: what an FP8 cache returns for ``x`` (no autograd; see fake_quantize_kv).
 
     On CUDA one Triton pass (quant_triton.quantize_dequantize_triton: the quantizer's own row
     arithmetic, then the decode above) in x's own layout; elsewhere, or for shapes it does not take,
     quantize_kv then dequantize_kv. Both give the same bits, and the recorders see the same codes."""
-    head_dim = x.shape[-1] if x.dim() else 0
-    fused = x.is_cuda and 2 <= x.dim() <= 4 and x.numel() and x.dtype in KERNEL_FLOAT_DTYPES
-    if fused and quant_backend(x.device) == "triton":
-        from jetrl.fp8.kernels.quant_triton import GROUP_WIDTHS, quantize_dequantize_triton
+    if _one_pass(x):
+        from jetrl.fp8.kernels.quant_triton import quantize_dequantize_triton
 
-        if head_dim in GROUP_WIDTHS:
-            out, codes, scales = quantize_dequantize_triton(x, pow2_scale, with_codes=recording())
-            if codes is not None:
-                record(name, Float8Blocks(codes, scales, (1, head_dim)))
-            return out
+        out, codes, scales = quantize_dequantize_triton(x, pow2_scale, with_codes=recording())
+        if codes is not None:
+            record(name, Float8Blocks(codes, scales, (1, x.shape[-1])))
+        return out
     q = quantize_kv(x, pow2_scale=pow2_scale, name=name)
     return dequantize_kv(q.codes.view(x.shape), q.scales.view(x.shape[:-1]), x.dtype)
 
@@ -111,17 +120,14 @@ def store_quantized_kv(x: Tensor, codes: Tensor, scales: Tensor, slots: Tensor, 
     the cache's buffers, ``slots`` (B,) int64 on x's device. On CUDA one Triton pass (the quantize->dequantize
     kernel writing the codes into the cache); elsewhere, or while a recorder is open (it wants the codes
     as a tensor), :func:`quantize_kv`, :func:`dequantize_kv` and indexed stores, with the same bits."""
-    T, D = x.shape[2:]
-    fused = x.is_cuda and x.dtype in KERNEL_FLOAT_DTYPES and not recording() and quant_backend(x.device) == "triton"
-    if fused:
-        from jetrl.fp8.kernels.quant_triton import GROUP_WIDTHS, quantize_dequantize_triton
+    if _one_pass(x) and x.dim() == 4 and not recording():
+        from jetrl.fp8.kernels.quant_triton import quantize_dequantize_triton
 
-        if D in GROUP_WIDTHS and codes.stride(-1) == 1:
-            return quantize_dequantize_triton(x, pow2_scale, into=(codes, scales, slots))[0]
+        return quantize_dequantize_triton(x, pow2_scale, into=(codes, scales, slots))[0]
     q = quantize_kv(x, pow2_scale=pow2_scale, name=name)
     q_codes, q_scales = q.codes.view(x.shape), q.scales.view(x.shape[:-1])
-    codes[slots, :, :T] = q_codes.view(torch.uint8)
-    scales[slots, :, :T] = q_scales
+    codes[slots, :, :x.shape[2]] = q_codes.view(torch.uint8)
+    scales[slots, :, :x.shape[2]] = q_scales
     return dequantize_kv(q_codes, q_scales, x.dtype)
 
 

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from jetrl.fp8.kernels.quant_triton import explicit_round, quantize_rows
+from jetrl.fp8.kernels.quant_triton import explicit_round, quantize_rows, split_rows
 
 
 @triton.jit
@@ -87,8 +87,7 @@ def _store_prefill_kernel(x_ptr, buf_ptr, slots_ptr, N, S1, S2, sx0, sx1, sx2, s
     # are transposed views); row (i0, i1, i2) goes to buf[slots[i0], i1, i2]
     rows = tl.program_id(0).to(tl.int64) * TILE_R + tl.arange(0, TILE_R)
     ok = rows < N
-    i2, i01 = rows % S2, rows // S2
-    i1, i0 = i01 % S1, i01 // S1
+    i0, i1, i2 = split_rows(rows, S1, S2)
     d = tl.arange(0, D)
     x = tl.load(x_ptr + (i0 * sx0 + i1 * sx1 + i2 * sx2)[:, None] + d[None, :] * sx3, mask=ok[:, None])
     slot = tl.load(slots_ptr + i0, mask=ok, other=0)

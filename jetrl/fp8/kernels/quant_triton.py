@@ -165,6 +165,14 @@ def _quantize_kernel(
 
 
 @triton.jit
+def split_rows(rows, S1, S2):
+    """(i0, i1, i2) of rows numbered row-major in a (S0, S1, S2, D) view: the kernels that walk a strided 4-D
+    K/V by rows of D (below, and the K/V-cache prefill store in kv_store_triton.py)."""
+    i2, i01 = rows % S2, rows // S2
+    return i01 // S1, i01 % S1, i2
+
+
+@triton.jit
 def _quantize_dequantize_kernel(
     x_ptr, out_ptr, codes_ptr, scales_ptr, slots_ptr, N, S1, S2,
     sx0, sx1, sx2, sx3, so0, so1, so2, so3, sc0, sc1, sc2, ss0, ss1, ss2,
@@ -177,8 +185,7 @@ def _quantize_dequantize_kernel(
     # (SLOTS: a KV cache's prefill writes each prompt's rows into its slot)
     rows = tl.program_id(0).to(tl.int64) * TILE_R + tl.arange(0, TILE_R)
     ok = rows < N
-    i2, i01 = rows % S2, rows // S2
-    i1, i0 = i01 % S1, i01 // S1
+    i0, i1, i2 = split_rows(rows, S1, S2)
     cols = tl.arange(0, D)
     x = tl.load(x_ptr + (i0 * sx0 + i1 * sx1 + i2 * sx2)[:, None] + cols[None, :] * sx3, mask=ok[:, None],
                 other=0.0).to(tl.float32)
