@@ -8,10 +8,12 @@ printed as one line on stderr with exit code 2, never as a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
 from jetrl.bench.cli import add_arguments as add_bench_arguments
+from jetrl.exact import exact_from_env, use_exact
 from jetrl.fp8.recipe import RECIPE_NAMES
 
 RECIPE_HELP = ("precision recipe: bf16 | fp8_rollout (BF16 train, FP8 linears in rollout; off-policy) | jet (FP8 "
@@ -71,6 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     diag.add_argument("--max-tokens", type=int, default=32)
     diag.add_argument("--seed", type=int, default=0)
     diag.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    diag.add_argument("--exact", action="store_true",
+                      help="exact mode: batch-invariant kernels (jetrl/exact.py); every site should read 'equal'")
     diag.add_argument("--device", default=None, metavar="{cpu,cuda}",
                       help="where to run both forwards (default: cuda when available); on the CPU `jet` and "
                            "`jet_kv` are bit-exact, on CUDA the decode kernels' rounding shows")
@@ -144,9 +148,10 @@ def _diagnose(args: argparse.Namespace) -> int:
     from jetrl.run.diagnose import diagnose_main
     from jetrl.run.generate import read_prompts
 
-    diagnose_main(args.model, read_prompts(args.prompt, args.prompts_file), recipe=args.recipe, dtype=args.dtype,
-                  n=args.n, temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, raw=args.raw,
-                  device=args.device)
+    with use_exact() if args.exact else contextlib.nullcontext():
+        diagnose_main(args.model, read_prompts(args.prompt, args.prompts_file), recipe=args.recipe, dtype=args.dtype,
+                      n=args.n, temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, raw=args.raw,
+                      device=args.device)
     return 0
 
 
@@ -192,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     from jetrl.rl.trainer import NonFiniteStepError
 
     try:
-        return COMMANDS[args.command](args)
+        with use_exact() if exact_from_env() else contextlib.nullcontext():  # JETRL_EXACT=1: any command
+            return COMMANDS[args.command](args)
     except (ValueError, TypeError, OSError, RewardError, NonFiniteStepError, StepOutOfMemoryError) as err:
         print(f"jetrl {args.command}: error: {err}", file=sys.stderr)
         return 2

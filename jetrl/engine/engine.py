@@ -59,6 +59,7 @@ from jetrl.engine.kv_cache import StaticKVCache
 from jetrl.engine.sampling import SamplingParams, prompt_seed, sample, sequence_key
 from jetrl.engine.scheduler import IncrementalDetokenizer, Scheduler, Sequence, StopChecker
 from jetrl.engine.scoring import score
+from jetrl.exact import exact_requested
 from jetrl.fp8 import float8_modules, precision_phase
 from jetrl.fp8.convert import model_recipe
 from jetrl.fp8.kernels import has_triton
@@ -186,13 +187,13 @@ class Engine:
 
     def _check_graph_weights(self) -> None:
         """Drop CUDA graphs if a parameter moved, an FP8 weight was re-quantized into new buffers, a BF16
-        sibling stack was reallocated or the fused-ops switch (models/fused.py) changed since capture. Stale
-        FP8 codes and stacks are refreshed here, in place, before any replay reads them."""
+        sibling stack was reallocated, or the fused-ops switch (models/fused.py) or exact mode (jetrl/exact.py)
+        changed since capture. Stale FP8 codes and stacks are refreshed here, in place, before any replay reads them."""
         # quantized_weight() reads (and if stale fills) the same cache entry the rollout forward reads
         codes = [m.quantized_weight() for m in float8_modules(self.model).values() if m.recipe.rollout.is_fp8]
         stacks = refresh_stacked_projections(self.model)  # BF16 sibling copies, refreshed in place like FP8 codes
         fingerprint = (tuple(p.data_ptr() for p in self.model.parameters()), tuple(id(q) for q in codes),
-                       tuple(w.data_ptr() for w in stacks), fused_ops_requested())
+                       tuple(w.data_ptr() for w in stacks), fused_ops_requested(), exact_requested())
         if fingerprint != self._fingerprint:
             self.graphs.reset()
             self._fingerprint, self._held_codes = fingerprint, codes

@@ -56,6 +56,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from jetrl.exact import exact_active
 from jetrl.fp8.kv_quant import dequantize_kv, kv_names, quantize_kv, store_quantized_kv
 from jetrl.fp8.quant import E4M3
 from jetrl.fp8.recipe import KVCacheSpec
@@ -223,7 +224,7 @@ class PrefillView:
 class DecodeView:
     """KVCache protocol for one decode step over slots [0, B): row s writes at position lengths[s].
 
-    ``attend`` is None unless the cache's ``use_decode_kernel`` is set (module docstring).
+    ``attend`` is None unless the cache's ``use_decode_kernel`` is set (module docstring), and in exact mode.
     """
 
     def __init__(self, cache: StaticKVCache, num_rows: int) -> None:
@@ -231,7 +232,8 @@ class DecodeView:
         self.offset = cache.max_len - 1  # the forward sees offset + T = max_len keys
         self._index: Tensor | None = None
         self._row_order: Tensor | None = None  # decode attention's program order, longest row first
-        self.attend = self._attend_fused if cache.use_decode_kernel else None
+        # exact mode (jetrl/exact.py): no fused kernel, the model's own (batch-invariant) attention reads the cache
+        self.attend = self._attend_fused if cache.use_decode_kernel and not exact_active(cache.k.device) else None
 
     def _store(self, layer_idx: int, k: Tensor, v: Tensor) -> None:
         """Write each row's k/v (B, Hkv, 1, D) at its own position lengths[s]; no host sync."""

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from jetrl.exact import exact_requested
 from jetrl.overrides import ScopedOverride, env_choice
 
 M32 = 0xFFFFFFFF
@@ -213,10 +214,18 @@ def sample(logits: Tensor, params: SamplingParams, keys: Tensor, steps: Tensor) 
     """
     _validate(logits, keys, steps)
     if not uses_fused_sampler(logits, params):
-        return sample_reference(logits, params, keys, steps)
-    from jetrl.engine.kernels.sample_triton import sample_triton
+        tokens, logprobs = sample_reference(logits, params, keys, steps)
+    else:
+        from jetrl.engine.kernels.sample_triton import sample_triton
 
-    return sample_triton(logits if logits.stride(-1) == 1 else logits.contiguous(), params, keys, steps)
+        tokens, logprobs = sample_triton(logits if logits.stride(-1) == 1 else logits.contiguous(), params, keys, steps)
+    if exact_requested() and not params.truncates:
+        # exact mode (jetrl/exact.py), on every device: the logprob by the trainer's own function, the bits it
+        # recomputes (the sampler's own reduction agrees to ~1e-6 only)
+        from jetrl.rl.token_logprobs import chosen_token_logprobs  # lazy: rl imports the engine
+
+        logprobs = chosen_token_logprobs(logits, tokens, 1.0 if params.is_greedy else params.temperature)
+    return tokens, logprobs
 
 
 def sample_reference(logits: Tensor, params: SamplingParams, keys: Tensor, steps: Tensor) -> tuple[Tensor, Tensor]:

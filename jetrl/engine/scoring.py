@@ -33,7 +33,8 @@ def score(engine: Engine, prompts: list[list[int]], completions: list[list[int]]
     batches, lm_head at each prompt's last position), then one decode step per completion token over slots
     [0, B) -- the KV cache in the recipe's format, the decode attention kernel, the CUDA graphs -- feeding
     ``completions[i][j - 1]`` where the sampler's token would go. The logprob is ``log_softmax(logits / T)`` in
-    fp32, the quantity the sampler reports (its fused kernel agrees to ~1e-6) and the trainer recomputes.
+    fp32 by the trainer's own function (``chosen_token_logprobs``), the quantity the sampler reports (its fused
+    kernel agrees to ~1e-6; in exact mode it calls the same function) and the trainer recomputes.
     Row ``i`` runs in slot ``i``; a row whose completion has ended keeps rewriting one unused position, as a
     frozen row does in ``generate``. Batch composition differs from the rollout that sampled the tokens
     (whose rows came and went), so on a GPU whose GEMM kernels depend on the row count the logprobs can differ
@@ -56,9 +57,10 @@ def score(engine: Engine, prompts: list[list[int]], completions: list[list[int]]
     forced = forced.to(dev)
     logprobs = torch.zeros(B, steps, dtype=torch.float32, device=dev)
 
+    from jetrl.rl.token_logprobs import chosen_token_logprobs  # lazy: jetrl.rl imports the engine
+
     def scored(logits: Tensor, step: int) -> None:
-        lp = torch.log_softmax(logits.float() / temperature, dim=-1)
-        logprobs[:, step] = lp.gather(-1, forced[:, step, None])[:, 0]
+        logprobs[:, step] = chosen_token_logprobs(logits, forced[:, step], temperature)  # the trainer's arithmetic
 
     with precision_phase("rollout"):
         engine._ensure_state()

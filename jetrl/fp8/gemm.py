@@ -32,6 +32,10 @@ overridable (``override_backend``, or the ``JETRL_GEMM_BACKEND`` environment var
   FP8 ``wgmma`` groups in flight per consumer warpgroup) for GEMMs whose output tiles fit in one
   wave of the GPU's SMs, where cuBLAS's 128 x 128 tiles leave SMs idle. K a multiple of 256.
 
+Exact mode (jetrl/exact.py) overrides all of them for forward GEMMs on CUDA: the Triton kernel with one
+tile shape for every M (``EXACT_TILES``, no split-K), so a row's sum runs in the same order in a decode step
+and in the trainer's forward. Gradient GEMMs (``batch_invariant=False``) keep the per-shape choice.
+
 Per-shape dispatch on SM90 (:func:`choose_backend`) is a fixed rule of the shape -- never a
 timing taken at run time -- so a given shape always runs the same kernel with the same
 summation order and results are reproducible (the one exception: codes TMA cannot read, a
@@ -48,6 +52,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from jetrl.exact import exact_active
 from jetrl.fp8.quant import BLOCK, Float8Blocks
 from jetrl.overrides import ScopedOverride, env_choice
 
@@ -65,11 +70,13 @@ def fp8_gemm(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype = torch.bf
              batch_invariant: bool = True) -> torch.Tensor:
     """out[M, N] = deq(a) @ deq(b)^T for K-major block-FP8 operands (see module docstring).
 
-    ``batch_invariant`` (the emulation only): accumulate in fp64 so a row's result does not
-    depend on M. Forward GEMMs need it (their outputs are quantized again downstream, in the
-    rollout and in the trainer alike); gradient GEMMs do not, and run in fp32.
+    ``batch_invariant``: a row's result must not depend on M. Forward GEMMs need it (their outputs are
+    quantized again downstream, in the rollout and in the trainer alike); gradient GEMMs do not. The
+    emulation then accumulates in fp64 (else fp32); in exact mode on CUDA it selects the fixed-tile kernel.
     """
     _check_operands(a, b)
+    if batch_invariant and exact_active(a.codes.device) and b.block == (BLOCK, BLOCK):
+        return _gemm_exact(a, b, out_dtype)
     backend = resolve_backend(a.codes.device)
     m, n, k = a.shape[0], b.shape[0], a.shape[1]
     if backend == "auto":
@@ -87,6 +94,24 @@ def fp8_gemm(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype = torch.bf
     if backend in ("scaled_mm", "triton", "gluon"):  # the fast kernels take 128x128-block weights only
         return _scaled_mm(a, b, out_dtype)
     return gemm_emulated(a, b, out_dtype, torch.float64 if batch_invariant else torch.float32)
+
+
+def _gemm_exact(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype) -> torch.Tensor:
+    """Exact mode's forward GEMM: the Triton kernel with ``EXACT_TILES`` at every M (module docstring)."""
+    from jetrl.fp8.kernels import capability, has_triton
+
+    if not has_triton() or capability(a.codes.device) < (8, 9):
+        raise RuntimeError("exact mode's FP8 GEMM needs Triton and an SM89+ GPU (FP8 tensor cores); leave exact "
+                           "mode (jetrl.exact.use_exact(False)) on this machine")
+    from jetrl.fp8.kernels.gemm_triton import SmallMConfig, gemm_small_m
+
+    tiles = SmallMConfig(*EXACT_TILES)
+    return gemm_small_m(a.codes, a.scales, b.codes, b.scales, out_dtype, tiles)
+
+
+# exact mode's FP8 GEMM tiles: (BLOCK_M, BLOCK_N, split_k, num_warps, num_stages), one shape for every M: part of
+# the arithmetic, never tuned per shape
+EXACT_TILES = (64, 128, 1, 4, 3)
 
 
 def choose_backend(m: int, b_block: tuple[int, int] = (BLOCK, BLOCK), n: int | None = None,

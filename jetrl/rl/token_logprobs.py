@@ -47,6 +47,18 @@ def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0,
         if low < 0 or high >= logits.shape[-1]:
             raise ValueError(f"token ids must lie in [0, {logits.shape[-1]}) (the logits' vocabulary), "
                              f"got ids from {low} to {high}")
+    return _token_logprobs(logits, tokens, temperature, with_entropy)
+
+
+def chosen_token_logprobs(logits: Tensor, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+    """:func:`token_logprobs`'s logprobs by the very same kernels, minus its checks (no host sync, so a CUDA
+    graph may hold it): how the engine reports a sampled token's logprob in exact mode (jetrl/exact.py) and
+    how ``Engine.score`` scores one -- the trainer's own arithmetic, row by row."""
+    return _token_logprobs(logits, tokens, float(temperature), False)[0]
+
+
+def _token_logprobs(logits: Tensor, tokens: Tensor, temperature: float,
+                    with_entropy: bool) -> tuple[Tensor, Tensor | None]:
     from jetrl.models.fused import fused_ops_enabled
 
     if not fused_ops_enabled(logits):

@@ -97,6 +97,8 @@ class RunConfig:
     progress: bool = _f(True, "progress line with ETA on stderr")
     threads: int | None = _f(None, "torch CPU threads (None: torch's default)")
     device: str = _f("auto", "'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:N]'")
+    exact: bool = _f(False, "exact mode: batch-invariant kernels, rollout logprobs equal the trainer's bit for bit "
+                            "(jetrl/exact.py; slower on a GPU)")
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from jetrl.engine import Engine, SamplingParams
+from jetrl.exact import exact_requested
 from jetrl.rl.diagnose import diagnose, format_report
 from jetrl.run.generate import encode_prompts
 from jetrl.run.models import load_model
@@ -39,6 +40,7 @@ def diagnose_main(model: str, prompts: list[Any], *, recipe: str = "jet", dtype:
     pairs = [(p, c.token_ids) for p, group in zip(prompt_ids, groups) for c in group]
     report = diagnose(engine, [p for p, _ in pairs], [c for _, c in pairs], temperature)
     print(format_report(report))
-    result = {"recipe": recipe, "model": str(path), "device": str(device), "temperature": temperature, **report}
+    result = {"recipe": recipe, "exact": exact_requested(), "model": str(path), "device": str(device),
+              "temperature": temperature, **report}
     print(json.dumps(result))
     return result

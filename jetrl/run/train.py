@@ -13,6 +13,7 @@ was started with, and ends exactly where an uninterrupted run would.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -23,6 +24,7 @@ import torch
 import yaml
 
 from jetrl.data import encode_prompts
+from jetrl.exact import exact_requested, use_exact
 from jetrl.rewards import resolve_reward_funcs
 from jetrl.rl.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from jetrl.rl.logger import MetricsLogger
@@ -43,6 +45,12 @@ def load_run_config(run_dir: str | Path) -> RunConfig:
 
 
 def run_training(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
+    """Train ``cfg`` (in exact mode if ``cfg.exact``: jetrl/exact.py) and return the run's summary."""
+    with use_exact() if cfg.exact else contextlib.nullcontext():
+        return _run_training(cfg, resume)
+
+
+def _run_training(cfg: RunConfig, resume: bool) -> dict[str, Any]:
     start = time.time()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -66,7 +74,8 @@ def run_training(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     _atomic_text(run_dir / "config.yaml", cfg.to_yaml())
     print(f"jetrl train: preset={cfg.preset} recipe={cfg.recipe} model={source} device={device} run_dir={run_dir}")
     print(cfg.to_yaml().rstrip())
-    print(f"precision flow: {json.dumps(trainer.recipe.metadata())}; old logprobs: {trainer.old_logprobs_source}")
+    print(f"precision flow: {json.dumps(trainer.recipe.metadata())}; exact mode: {exact_requested()}; "
+          f"old logprobs: {trainer.old_logprobs_source}")
 
     def held_out() -> float:
         return evaluate(trainer.engine, eval_ids, eval_records, max_tokens=cfg.grpo.max_completion_length,

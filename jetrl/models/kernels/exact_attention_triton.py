@@ -1,0 +1,134 @@
+"""Batch-invariant attention in Triton: one kernel, one tile shape, for the trainer, the prefill and the decode.
+
+Spec: :func:`jetrl.models.exact_ops.exact_attention_reference` (softmax attention in fp32). Exact mode
+(jetrl/exact.py) runs every attention of the trainer's forward and of the rollout through this kernel, so
+a query row's output is the same bits whether it is one of 18,000 rows of a training micro-batch or one
+of 256 rows of a decode step.
+
+Why the same bits: a row's output depends only on the arithmetic applied to that row. Each program owns
+BLOCK_M query rows of one (batch, kv head) -- rows enumerate (position t, query head g of the kv head's
+group), so a decode step's G heads and a training tile's positions are the same kind of row -- and walks
+the keys from 0 in tiles of BLOCK_N, in the base-2 online softmax (t_j = s_j log2 e)::
+
+    s    = (q . K_tile^T) * scale * log2(e)          one tensor-core dot, fp32 accumulation
+    s_j  = -inf where row r may not attend key j      (causal: j > t; a mask: mask[b, t, j] = 0)
+    m'   = max(m, max_j s_j);  a = 2^(m - m');  p_j = 2^(s_j - m')
+    l'   = a l + sum_j p_j;    acc' = a acc + rnd(p) . V_tile
+    out  = acc / l
+
+with m starting at -1e30 (finite), so a tile in which the row attends nothing is an exact no-op (a = 1,
+p = 0): a training tile that runs past a row's causal limit for the sake of its other rows, or a decode
+row that walks the whole static cache, computes the same bits as a walk that stopped at the limit.
+The tile shapes, warps and the order of every sum are constants of this file (``TILES``), never a
+function of the batch, the sequence length or the GPU's occupancy (no split-K, no flash-decoding split):
+that is the whole difference from SDPA's kernels and from the fused decode kernel, whose split count
+follows the batch. Keys that no row of a tile may attend have their V zeroed before the dot, so stale
+cache positions (which may hold NaN) never reach it; their probabilities are 0 either way.
+
+Under ``TRITON_INTERPRET=1`` (the CPU tests) the dots are taken in IEEE fp32 on exactly upcast operands
+and the roundings to the model dtype done on the bits (rounding.py), as in the decode attention kernel.
+
+Not the fastest attention: 16-row tiles re-read K/V per 16 rows (from L2), and the decode reads the
+whole static cache (its mask, not its lengths, bounds the rows). Exact mode trades that for bit-equality.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from jetrl.fp8.kernels.rounding import INTERPRET, round_to
+
+TILES = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}  # fixed: part of the arithmetic
+LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def _dot(a, b, EMULATE: tl.constexpr):
+    """a @ b with fp32 accumulation: one tensor-core dot on the GPU, IEEE fp32 under the interpreter."""
+    if EMULATE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, out_dtype=tl.float32)
+
+
+@triton.jit
+def _exact_attention_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
+    T, S, G, HKV, qk_scale,
+    sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, smb, smt, sms, sob, soh, sot,
+    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, kvh = bh // HKV, bh % HKV
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = r < T * G
+    t = r // G
+    h = kvh * G + r % G
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * sqb + h[:, None] * sqh + t[:, None] * sqt + d[None, :], mask=row_ok[:, None], other=0.0)
+    m_i = tl.full((BLOCK_M,), -1e30, tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    if CAUSAL:  # keys up to the tile's last position (T == S)
+        hi = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1) + 1
+    else:
+        hi = S
+    k_base = k_ptr + b * skb + kvh * skh
+    v_base = v_ptr + b * svb + kvh * svh
+    start = 0
+    while start < hi:  # a while loop: the interpreter's range() cannot take a runtime bound
+        j = start + tl.arange(0, BLOCK_N)
+        j_ok = j < S
+        k = tl.load(k_base + j[:, None] * sks + d[None, :], mask=j_ok[:, None], other=0.0)
+        s = _dot(q, tl.trans(k), EMULATE) * qk_scale
+        valid = row_ok[:, None] & j_ok[None, :]
+        if CAUSAL:
+            valid = valid & (j[None, :] <= t[:, None])
+        if HAS_MASK:
+            allowed = tl.load(mask_ptr + b * smb + t[:, None] * smt + j[None, :] * sms, mask=valid, other=0)
+            valid = valid & (allowed != 0)
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + j[:, None] * svs + d[None, :], mask=j_ok[:, None], other=0.0)
+        any_row = tl.max(valid.to(tl.int32), axis=0) > 0
+        v = tl.where(any_row[:, None], v, tl.zeros_like(v))
+        acc = acc * alpha[:, None] + _dot(round_to(p, v.dtype, EMULATE), v, EMULATE)
+        m_i = m_new
+        start += BLOCK_N
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row that may attend nothing gives 0, not NaN
+    tl.store(out_ptr + b * sob + h[:, None] * soh + t[:, None] * sot + d[None, :],
+             round_to(out, out_ptr.dtype.element_ty, EMULATE), mask=row_ok[:, None])
+
+
+def exact_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                           causal: bool, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v for q (B, H, T, D), k/v (B, Hkv, S, D), H a multiple of Hkv; ``mask`` a
+    bool (B|1, 1, T, S) "may attend" tensor (any strides) or None; ``causal`` (T == S) masks j > t too.
+    Returns (B, H, T, D) in q's dtype. The caller validates (jetrl/models/exact_ops.py)."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = H // Hkv
+    out = torch.empty((B, H, T, D), dtype=q.dtype, device=q.device)
+    if mask is not None:
+        mask = mask.expand(mask.shape[0], 1, T, S).view(torch.uint8)
+        smb = 0 if mask.shape[0] == 1 else mask.stride(0)
+        mask_args, sm = mask, (smb, mask.stride(2), mask.stride(3))
+    else:
+        mask_args, sm = q, (0, 0, 0)
+    grid = (triton.cdiv(T * G, TILES["BLOCK_M"]), B * Hkv)
+    _exact_attention_kernel[grid](
+        q, k, v, mask_args, out, T, S, G, Hkv, float(scale) * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), *sm, out.stride(0), out.stride(1), out.stride(2),
+        CAUSAL=causal, HAS_MASK=mask is not None, D=D, BLOCK_M=TILES["BLOCK_M"], BLOCK_N=TILES["BLOCK_N"],
+        EMULATE=INTERPRET, num_warps=TILES["num_warps"], num_stages=TILES["num_stages"],
+    )
+    return out

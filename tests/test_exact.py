@@ -1,0 +1,181 @@
+"""Exact mode (jetrl/exact.py): its kernels against their references, and on CUDA the claim itself.
+
+CPU: the two batch-invariant kernels under TRITON_INTERPRET=1 against their fp32 references (attention:
+causal, a padding mask, GQA, the decode fold, stale NaN keys; linear: a K tail, a bias), their sm_90
+compile, and that exact mode changes nothing on CPU (the CPU is exact already).
+CUDA: each kernel's rows are bit-identical at every M; and the engine's logprobs equal the trainer's bit
+for bit under `bf16`, `jet` and `jet_kv`, while the off-policy `fp8kv_rollout` and `fp8_rollout` keep a gap.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from jetrl.exact import exact_active, exact_requested, use_exact
+
+from .conftest import compile_for_sm90, requires_sm90
+
+INTERPRETER_SCRIPT = r"""
+import torch
+from jetrl.models.exact_ops import exact_attention_reference, exact_linear_reference
+from jetrl.models.kernels.exact_attention_triton import exact_attention_triton
+from jetrl.models.kernels.exact_linear_triton import exact_linear_triton
+
+torch.manual_seed(0)
+bf = torch.bfloat16
+def close(a, b, tol):
+    err = (a.float() - b.float()).abs().max().item()
+    assert err <= tol, err
+
+# linear: M not a tile multiple, a K tail (K = 200 is not a multiple of 64), bias
+x, w, b = torch.randn(70, 200, dtype=bf), torch.randn(130, 200, dtype=bf) * 0.1, torch.randn(130, dtype=bf)
+close(exact_linear_triton(x, w, b), exact_linear_reference(x, w, b), 0.07)
+close(exact_linear_triton(x, w, None), exact_linear_reference(x, w), 0.07)
+
+# attention: causal training shape with GQA (H = 4, Hkv = 2), T not a tile multiple
+q, k, v = torch.randn(2, 4, 37, 32, dtype=bf), torch.randn(2, 2, 37, 32, dtype=bf), torch.randn(2, 2, 37, 32, dtype=bf)
+ref = exact_attention_reference(q, k, v, causal=True)
+close(exact_attention_triton(q, k, v, None, True, 32 ** -0.5), ref, 0.03)
+# the same through a padding-style bool mask (B, 1, T, S) with the diagonal always allowed
+mask = torch.ones(2, 1, 37, 37, dtype=torch.bool).tril()
+mask[1, :, :, :5] = False
+mask |= torch.eye(37, dtype=torch.bool)
+close(exact_attention_triton(q, k, v, mask, False, 32 ** -0.5), exact_attention_reference(q, k, v, mask), 0.03)
+# decode: one query per row, a static cache of S = 90 whose positions past each row's length hold NaN
+S, lengths = 90, torch.tensor([10, 70])
+kc, vc = torch.randn(2, 2, S, 32, dtype=bf), torch.randn(2, 2, S, 32, dtype=bf)
+for row, n in enumerate(lengths.tolist()):
+    kc[row, :, n + 1:], vc[row, :, n + 1:] = float("nan"), float("nan")
+dmask = (torch.arange(S)[None, :] <= lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
+qd = torch.randn(2, 4, 1, 32, dtype=bf)
+out = exact_attention_triton(qd, kc, vc, dmask, False, 32 ** -0.5)
+assert torch.isfinite(out.float()).all()
+close(out, exact_attention_reference(qd, kc, vc, dmask), 0.03)
+# the model's decode fold (B, Hkv, G, D) against a (B, 1, 1, S) mask: the same rows, the same bits
+folded = exact_attention_triton(qd.reshape(2, 2, 2, 32), kc, vc, dmask, False, 32 ** -0.5).reshape(2, 4, 1, 32)
+assert torch.equal(folded, out)
+print("OK")
+"""
+
+
+def test_exact_kernels_match_references_in_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr[-3000:]
+
+
+def test_exact_kernels_compile_for_sm90():
+    pytest.importorskip("triton")
+    from jetrl.models.kernels.exact_attention_triton import TILES as ATT
+    from jetrl.models.kernels.exact_attention_triton import _exact_attention_kernel
+    from jetrl.models.kernels.exact_linear_triton import TILES as LIN
+    from jetrl.models.kernels.exact_linear_triton import _exact_linear_kernel
+
+    bf = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "x_ptr", "w_ptr", "b_ptr")}
+    compile_for_sm90(_exact_attention_kernel, {"CAUSAL": True, "HAS_MASK": True, "D": 128, "BLOCK_M": ATT["BLOCK_M"],
+                                               "BLOCK_N": ATT["BLOCK_N"], "EMULATE": False},
+                     {**bf, "mask_ptr": "*u8"}, floats=("qk_scale",), num_warps=ATT["num_warps"])
+    compile_for_sm90(_exact_linear_kernel, {"HAS_BIAS": True, "BLOCK_M": LIN["BLOCK_M"], "BLOCK_N": LIN["BLOCK_N"],
+                                            "BLOCK_K": LIN["BLOCK_K"], "K_TILES": 64, "EMULATE": False}, bf,
+                     num_warps=LIN["num_warps"], num_stages=LIN["num_stages"])
+
+
+def test_exact_mode_switch_and_cpu_passthrough():
+    from jetrl.engine import SamplingParams
+    from jetrl.models import CausalLM
+
+    from .engine_helpers import LOGPROB_CONFIG, engine_vs_trainer_gap, random_prompts
+
+    assert not exact_requested() and not exact_active("cuda")
+    with use_exact():
+        assert exact_requested() and exact_active("cuda") and not exact_active("cpu")
+        with use_exact(False):
+            assert not exact_requested()
+        x, w = torch.randn(3, 8), torch.randn(5, 8)
+        assert torch.equal(torch.nn.functional.linear(x, w), (x.double() @ w.double().t()).float())  # fp64 sums
+        assert torch.equal(torch.nn.functional.linear(x.double(), w.double()), x.double() @ w.double().t())
+        torch.manual_seed(0)
+        gap = engine_vs_trainer_gap(CausalLM(LOGPROB_CONFIG), "jet_kv", random_prompts([5, 9], seed=1, vocab=512),
+                                    SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=0))
+        assert gap.numel() and gap.max().item() == 0.0  # the CPU stays bit-exact
+    assert not exact_requested()
+
+
+def test_exact_mode_rejects_what_its_kernels_cannot_run():
+    from jetrl.models.exact_ops import _attention_problem
+
+    q = torch.empty(1, 4, 8, 24, dtype=torch.bfloat16)
+    assert "power of two" in _attention_problem(q, q[:, :2], q[:, :2], None, 0.0, False, True)
+    q = torch.empty(1, 4, 8, 32, dtype=torch.bfloat16)
+    assert "dropout" in _attention_problem(q, q, q, None, 0.1, False, False)
+    assert "enable_gqa" in _attention_problem(q, q[:, :2], q[:, :2], None, 0.0, False, False)
+    assert "bool" in _attention_problem(q, q, q, torch.zeros(1, 1, 8, 8), 0.0, False, False)
+    assert _attention_problem(q, q[:, :2], q[:, :2], torch.ones(1, 1, 8, 8, dtype=torch.bool), 0.0, False, True) is None
+
+
+# ----------------------------------------------------------------------------- on the GPU
+@requires_sm90
+def test_exact_kernels_are_batch_invariant_on_gpu():
+    """Row r of a big call equals row r of a small call, bit for bit, for every exact kernel."""
+    from jetrl.fp8.gemm import fp8_gemm
+    from jetrl.fp8.quant import quantize
+
+    torch.manual_seed(0)
+    dev, bf = "cuda", torch.bfloat16
+    x, w = torch.randn(1000, 512, device=dev, dtype=bf), torch.randn(768, 512, device=dev, dtype=bf) * 0.05
+    with use_exact():
+        big = torch.nn.functional.linear(x, w)
+        for m in (1, 7, 64, 256):
+            assert torch.equal(torch.nn.functional.linear(x[:m], w), big[:m]), m
+        wq = quantize(w, 128, 128)
+        big = fp8_gemm(quantize(x, 1, 128), wq)
+        for m in (1, 16, 64, 256):
+            assert torch.equal(fp8_gemm(quantize(x[:m], 1, 128), wq), big[:m]), m
+        # attention: position t of a causal forward over T tokens = a decode step at t over a static cache
+        B, H, Hkv, T, D, S = 3, 8, 2, 200, 128, 256
+        q, k, v = (torch.randn(B, h, T, D, device=dev, dtype=bf) for h in (H, Hkv, Hkv))
+        full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        cache_k = torch.full((B, Hkv, S, D), float("nan"), device=dev, dtype=bf)
+        cache_v = cache_k.clone()
+        cache_k[:, :, :T], cache_v[:, :, :T] = k, v
+        for t in (0, 63, 64, 150, T - 1):
+            mask = (torch.arange(S, device=dev) <= t)[None, None, None, :]
+            step = torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, t:t + 1].reshape(B, Hkv, H // Hkv, D), cache_k, cache_v, attn_mask=mask)
+            assert torch.equal(step.reshape(B, H, D), full[:, :, t]), t
+
+
+def _gpu_gaps(recipe: str) -> torch.Tensor:
+    from jetrl.engine import SamplingParams
+    from jetrl.models import CausalLM
+
+    from .engine_helpers import LOGPROB_CONFIG, engine_vs_trainer_gap, random_prompts
+
+    torch.manual_seed(0)
+    base = CausalLM(LOGPROB_CONFIG).to("cuda", torch.bfloat16)
+    prompts = random_prompts([5, 17, 33, 9], seed=1, vocab=512)
+    with use_exact():
+        return engine_vs_trainer_gap(base, recipe, prompts, SamplingParams(n=4, temperature=1.0, max_tokens=48, seed=0))
+
+
+@requires_sm90
+@pytest.mark.parametrize("recipe", ["bf16", "jet", "jet_kv"])
+def test_exact_mode_engine_logprobs_equal_trainer_on_gpu(recipe):
+    gap = _gpu_gaps(recipe)
+    print(f"exact {recipe}: {gap.numel()} tokens, max |engine - trainer| {gap.max().item():.3g}")
+    assert gap.numel() == 16 * 48 and gap.max().item() == 0.0
+
+
+@requires_sm90
+@pytest.mark.parametrize("recipe", ["fp8kv_rollout", "fp8_rollout"])
+def test_exact_mode_keeps_the_off_policy_gap_on_gpu(recipe):
+    gap = _gpu_gaps(recipe)
+    print(f"exact {recipe}: mean |engine - trainer| {gap.mean().item():.3g}")
+    assert gap.mean().item() > 1e-3
