@@ -79,7 +79,7 @@ def test_exact_kernels_compile_for_sm90():
     from jetrl.models.kernels.exact_linear_triton import _exact_linear_kernel
 
     bf = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "x_ptr", "w_ptr", "b_ptr")}
-    compile_for_sm90(_exact_attention_kernel, {"CAUSAL": True, "HAS_MASK": True, "D": 128, "BLOCK_M": ATT["BLOCK_M"],
+    compile_for_sm90(_exact_attention_kernel, {"D": 128, "BLOCK_M": ATT["BLOCK_M"],
                                                "BLOCK_N": ATT["BLOCK_N"], "EMULATE": False},
                      {**bf, "mask_ptr": "*u8"}, floats=("qk_scale",), num_warps=ATT["num_warps"])
     compile_for_sm90(_exact_linear_kernel, {"HAS_BIAS": True, "BLOCK_M": LIN["BLOCK_M"], "BLOCK_N": LIN["BLOCK_N"],
@@ -134,10 +134,10 @@ def test_exact_kernels_are_batch_invariant_on_gpu():
         big = torch.nn.functional.linear(x, w)
         for m in (1, 7, 64, 256):
             assert torch.equal(torch.nn.functional.linear(x[:m], w), big[:m]), m
-        wq = quantize(w, 128, 128)
-        big = fp8_gemm(quantize(x, 1, 128), wq)
+        wq = quantize(w, (128, 128))
+        big = fp8_gemm(quantize(x), wq)
         for m in (1, 16, 64, 256):
-            assert torch.equal(fp8_gemm(quantize(x[:m], 1, 128), wq), big[:m]), m
+            assert torch.equal(fp8_gemm(quantize(x[:m]), wq), big[:m]), m
         # attention: position t of a causal forward over T tokens = a decode step at t over a static cache
         B, H, Hkv, T, D, S = 3, 8, 2, 200, 128, 256
         q, k, v = (torch.randn(B, h, T, D, device=dev, dtype=bf) for h in (H, Hkv, Hkv))

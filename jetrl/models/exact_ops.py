@@ -98,7 +98,7 @@ def _attention_problem(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dro
         return f"head_dim {D} is not a power of two >= 16"
     if dropout_p:
         return f"dropout_p={dropout_p}"
-    if causal and (mask is not None or T != k.shape[2]):
+    if causal and (mask is not None or T != k.shape[2]):  # SDPA refuses both too
         return "is_causal with a mask or with T != S"
     if mask is not None and (mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1
                              or mask.shape[0] not in (1, B) or mask.shape[2] not in (1, T) or mask.shape[3] != k.shape[2]):

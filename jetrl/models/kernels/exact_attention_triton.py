@@ -13,12 +13,18 @@ the keys from 0 in tiles of BLOCK_N, in the base-2 online softmax (t_j = s_j log
     s    = (q . K_tile^T) * scale * log2(e)          one tensor-core dot, fp32 accumulation
     s_j  = -inf where row r may not attend key j      (causal: j > t; a mask: mask[b, t, j] = 0)
     m'   = max(m, max_j s_j);  a = 2^(m - m');  p_j = 2^(s_j - m')
-    l'   = a l + sum_j p_j;    acc' = a acc + rnd(p) . V_tile
+    l'   = a l + sum_j p_j;    acc' = dot(rnd(p), V_tile, accumulator a acc)
     out  = acc / l
 
-with m starting at -1e30 (finite), so a tile in which the row attends nothing is an exact no-op (a = 1,
-p = 0): a training tile that runs past a row's causal limit for the sake of its other rows, or a decode
-row that walks the whole static cache, computes the same bits as a walk that stopped at the limit.
+with m starting at -1e30 (finite). A tile in which a row attends nothing leaves that row's (m, l, acc) as they
+were -- selected, not recomputed as a = 1, p = 0 (which on the H200 did not always return the same bits) -- so a
+training tile that runs past a row's causal limit for the sake of its other rows, or a decode row that walks the
+whole static cache, ends with the bits of a walk that stopped at the limit.
+Every call runs the same binary -- causal or masked, prefill or decode: the causal limit is a runtime shift, "no
+mask" an all-true mask read with zero strides, and no argument is specialized on its value or alignment (Triton
+compiles one binary per specialization) -- compiled without FMA contraction (``enable_fp_fusion=False``),
+and the P.V product accumulates inside the dot: on the H200 a causal binary and a masked one, each free to contract
+and to fold the add into its dot, differed in the last bit of 13 of 10,624 rows (bench/probe_exact.py).
 The tile shapes, warps and the order of every sum are constants of this file (``TILES``), never a
 function of the batch, the sequence length or the GPU's occupancy (no split-K, no flash-decoding split):
 that is the whole difference from SDPA's kernels and from the fused decode kernel, whose split count
@@ -47,21 +53,26 @@ LOG2E = math.log2(math.e)
 
 
 @triton.jit
-def _dot(a, b, EMULATE: tl.constexpr):
-    """a @ b with fp32 accumulation: one tensor-core dot on the GPU, IEEE fp32 under the interpreter."""
+def _dot(a, b, acc, EMULATE: tl.constexpr):
+    """acc + a @ b in fp32: one tensor-core dot accumulating into ``acc`` on the GPU, IEEE fp32 under the
+    interpreter. The accumulator is the dot's own input, never a separate add: the compiler may fold an add of a
+    dot into the dot, in one binary and not in another, and the two round differently."""
     if EMULATE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return acc + tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
-        return tl.dot(a, b, out_dtype=tl.float32)
+        return tl.dot(a, b, acc, out_dtype=tl.float32)
 
 
-@triton.jit
+_RUNTIME_ARGS = ("q_ptr", "k_ptr", "v_ptr", "mask_ptr", "out_ptr", "T", "S", "G", "HKV", "qk_scale", "shift",
+                 "sqb", "sqh", "sqt", "skb", "skh", "sks", "svb", "svh", "svs", "smb", "smt", "sms", "sob", "soh", "sot")
+
+
+@triton.jit(do_not_specialize=_RUNTIME_ARGS, do_not_specialize_on_alignment=_RUNTIME_ARGS)
 def _exact_attention_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
-    T, S, G, HKV, qk_scale,
+    T, S, G, HKV, qk_scale, shift,
     sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, smb, smt, sms, sob, soh, sot,
-    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    EMULATE: tl.constexpr,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr,
 ):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, kvh = bh // HKV, bh % HKV
@@ -74,10 +85,8 @@ def _exact_attention_kernel(
     m_i = tl.full((BLOCK_M,), -1e30, tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
-    if CAUSAL:  # keys up to the tile's last position (T == S)
-        hi = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1) + 1
-    else:
-        hi = S
+    # row r may attend key j iff j <= t + shift and mask[b, t, j]: shift = 0 is causal, shift = S no limit
+    hi = tl.minimum(tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1) + shift + 1, S)
     k_base = k_ptr + b * skb + kvh * skh
     v_base = v_ptr + b * svb + kvh * svh
     start = 0
@@ -85,23 +94,24 @@ def _exact_attention_kernel(
         j = start + tl.arange(0, BLOCK_N)
         j_ok = j < S
         k = tl.load(k_base + j[:, None] * sks + d[None, :], mask=j_ok[:, None], other=0.0)
-        s = _dot(q, tl.trans(k), EMULATE) * qk_scale
-        valid = row_ok[:, None] & j_ok[None, :]
-        if CAUSAL:
-            valid = valid & (j[None, :] <= t[:, None])
-        if HAS_MASK:
-            allowed = tl.load(mask_ptr + b * smb + t[:, None] * smt + j[None, :] * sms, mask=valid, other=0)
-            valid = valid & (allowed != 0)
+        s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), EMULATE) * qk_scale
+        valid = row_ok[:, None] & j_ok[None, :] & (j[None, :] <= t[:, None] + shift)
+        allowed = tl.load(mask_ptr + b * smb + t[:, None] * smt + j[None, :] * sms, mask=valid, other=0)
+        valid = valid & (allowed != 0)
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + j[:, None] * svs + d[None, :], mask=j_ok[:, None], other=0.0)
         any_row = tl.max(valid.to(tl.int32), axis=0) > 0
         v = tl.where(any_row[:, None], v, tl.zeros_like(v))
-        acc = acc * alpha[:, None] + _dot(round_to(p, v.dtype, EMULATE), v, EMULATE)
-        m_i = m_new
+        acc_new = _dot(round_to(p, v.dtype, EMULATE), v, acc * alpha[:, None], EMULATE)
+        # a row with no key in this tile keeps its state bit for bit (selected, not computed: the H200 did not
+        # return acc * 2^0 + 0 exactly in every row, bench/probe_exact.py)
+        live = tl.max(valid.to(tl.int32), axis=1) > 0
+        acc = tl.where(live[:, None], acc_new, acc)
+        l_i = tl.where(live, l_i * alpha + tl.sum(p, axis=1), l_i)
+        m_i = tl.where(live, m_new, m_i)
         start += BLOCK_N
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row that may attend nothing gives 0, not NaN
     tl.store(out_ptr + b * sob + h[:, None] * soh + t[:, None] * sot + d[None, :],
@@ -117,18 +127,16 @@ def exact_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     Hkv, S = k.shape[1], k.shape[2]
     G = H // Hkv
     out = torch.empty((B, H, T, D), dtype=q.dtype, device=q.device)
-    if mask is not None:
-        mask = mask.expand(mask.shape[0], 1, T, S).view(torch.uint8)
-        smb = 0 if mask.shape[0] == 1 else mask.stride(0)
-        mask_args, sm = mask, (smb, mask.stride(2), mask.stride(3))
-    else:
-        mask_args, sm = q, (0, 0, 0)
+    if mask is None:  # one binary for every call: no mask is an all-true one, read with zero strides
+        mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device)
+    mask = mask.expand(mask.shape[0], 1, T, S).view(torch.uint8)
+    sm = (0 if mask.shape[0] == 1 else mask.stride(0), mask.stride(2), mask.stride(3))
     grid = (triton.cdiv(T * G, TILES["BLOCK_M"]), B * Hkv)
     _exact_attention_kernel[grid](
-        q, k, v, mask_args, out, T, S, G, Hkv, float(scale) * LOG2E,
+        q, k, v, mask, out, T, S, G, Hkv, float(scale) * LOG2E, 0 if causal else S,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *sm, out.stride(0), out.stride(1), out.stride(2),
-        CAUSAL=causal, HAS_MASK=mask is not None, D=D, BLOCK_M=TILES["BLOCK_M"], BLOCK_N=TILES["BLOCK_N"],
-        EMULATE=INTERPRET, num_warps=TILES["num_warps"], num_stages=TILES["num_stages"],
+        D=D, BLOCK_M=TILES["BLOCK_M"], BLOCK_N=TILES["BLOCK_N"], EMULATE=INTERPRET,
+        num_warps=TILES["num_warps"], num_stages=TILES["num_stages"], enable_fp_fusion=False,
     )
     return out

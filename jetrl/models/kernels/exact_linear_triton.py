@@ -13,7 +13,9 @@ bias added in fp32 at the end, then one rounding to the output dtype::
     acc = 0;  for k0 in 0, BK, 2 BK, ...:  acc = dot(x[rows, k0:k0+BK], W[cols, k0:k0+BK]^T, acc)
     y   = rnd(acc + b)
 
-``TILES`` is a constant of this file, so a row's sum runs in one order whatever M is. Under
+``TILES`` is a constant of this file, so a row's sum runs in one order whatever M is; the products accumulate
+inside the dot, the kernel is compiled without FMA contraction, and one binary serves every M (no argument is
+specialized on its value or alignment), as in the exact attention, whose docstring says why. Under
 ``TRITON_INTERPRET=1`` (the CPU tests) the dot is taken in IEEE fp32 on the exactly upcast operands and the
 final rounding done on the bits (the interpreter's bf16 dot and cast are not the GPU's: rounding.py).
 """
@@ -29,7 +31,10 @@ from jetrl.fp8.kernels.rounding import INTERPRET, round_to
 TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}  # fixed: part of the arithmetic
 
 
-@triton.jit
+_RUNTIME_ARGS = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "M", "N", "K", "sxm", "swn", "som")
+
+
+@triton.jit(do_not_specialize=_RUNTIME_ARGS, do_not_specialize_on_alignment=_RUNTIME_ARGS)
 def _exact_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, sxm, swn, som,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          K_TILES: tl.constexpr, EMULATE: tl.constexpr):
@@ -66,6 +71,7 @@ def exact_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     _exact_linear_kernel[grid](
         x, weight, x if bias is None else bias, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=TILES["BLOCK_M"], BLOCK_N=TILES["BLOCK_N"], BLOCK_K=TILES["BLOCK_K"],
-        K_TILES=triton.cdiv(k, TILES["BLOCK_K"]), EMULATE=INTERPRET, num_warps=TILES["num_warps"], num_stages=TILES["num_stages"],
+        K_TILES=triton.cdiv(k, TILES["BLOCK_K"]), EMULATE=INTERPRET, num_warps=TILES["num_warps"],
+        num_stages=TILES["num_stages"], enable_fp_fusion=False,
     )
     return out
