@@ -17,14 +17,18 @@ the keys from 0 in tiles of BLOCK_N, in the base-2 online softmax (t_j = s_j log
     out  = acc / l
 
 with m starting at -1e30 (finite). A tile in which a row attends nothing leaves that row's (m, l, acc) as they
-were -- selected, not recomputed as a = 1, p = 0 (which on the H200 did not always return the same bits) -- so a
-training tile that runs past a row's causal limit for the sake of its other rows, or a decode row that walks the
-whole static cache, ends with the bits of a walk that stopped at the limit.
+were -- selected, not recomputed as a = 1, p = 0, so nothing rests on a tensor-core dot returning its accumulator
+bit for bit when every product is 0 -- and a training tile that runs past a row's causal limit for the sake of its
+other rows, or a decode row that walks the whole static cache, ends with the bits of a walk that stopped at the
+limit.
 Every call runs the same binary -- causal or masked, prefill or decode: the causal limit is a runtime shift, "no
 mask" an all-true mask read with zero strides, and no argument is specialized on its value or alignment (Triton
 compiles one binary per specialization) -- compiled without FMA contraction (``enable_fp_fusion=False``),
-and the P.V product accumulates inside the dot: on the H200 a causal binary and a masked one, each free to contract
-and to fold the add into its dot, differed in the last bit of 13 of 10,624 rows (bench/probe_exact.py).
+and the P.V product accumulates inside the dot. Measured on the H200 (bench/probe_exact.py, a causal call against
+the same rows through a tril mask): two binaries (causal and masked as compile-time flags) differed in the last bit
+of 13 of 10,624 rows; one source but Triton's default specialization (a binary per argument value class and
+alignment) still in 7-10; one unspecialized binary in none, and the decode's rows equal the trainer's in every
+row.
 The tile shapes, warps and the order of every sum are constants of this file (``TILES``), never a
 function of the batch, the sequence length or the GPU's occupancy (no split-K, no flash-decoding split):
 that is the whole difference from SDPA's kernels and from the fused decode kernel, whose split count
@@ -106,8 +110,7 @@ def _exact_attention_kernel(
         any_row = tl.max(valid.to(tl.int32), axis=0) > 0
         v = tl.where(any_row[:, None], v, tl.zeros_like(v))
         acc_new = _dot(round_to(p, v.dtype, EMULATE), v, acc * alpha[:, None], EMULATE)
-        # a row with no key in this tile keeps its state bit for bit (selected, not computed: the H200 did not
-        # return acc * 2^0 + 0 exactly in every row, bench/probe_exact.py)
+        # a row with no key in this tile keeps its state bit for bit: selected, not recomputed (module docstring)
         live = tl.max(valid.to(tl.int32), axis=1) > 0
         acc = tl.where(live[:, None], acc_new, acc)
         l_i = tl.where(live, l_i * alpha + tl.sum(p, axis=1), l_i)
