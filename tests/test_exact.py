@@ -83,7 +83,7 @@ def test_exact_kernels_compile_for_sm90():
                                                "BLOCK_N": ATT["BLOCK_N"], "EMULATE": False},
                      {**bf, "mask_ptr": "*u8"}, floats=("qk_scale",), num_warps=ATT["num_warps"])
     compile_for_sm90(_exact_linear_kernel, {"HAS_BIAS": True, "BLOCK_M": LIN["BLOCK_M"], "BLOCK_N": LIN["BLOCK_N"],
-                                            "BLOCK_K": LIN["BLOCK_K"], "K_TILES": 64, "EMULATE": False}, bf,
+                                            "BLOCK_K": LIN["BLOCK_K"], "N": 4096, "K": 4096, "K_TILES": 64, "EMULATE": False}, bf,
                      num_warps=LIN["num_warps"], num_stages=LIN["num_stages"])
 
 

@@ -67,15 +67,16 @@ def _dot(a, b, acc, EMULATE: tl.constexpr):
         return tl.dot(a, b, acc, out_dtype=tl.float32)
 
 
-_RUNTIME_ARGS = ("q_ptr", "k_ptr", "v_ptr", "mask_ptr", "out_ptr", "T", "S", "G", "HKV", "qk_scale", "shift",
-                 "sqb", "sqh", "sqt", "skb", "skh", "sks", "svb", "svh", "svs", "smb", "smt", "sms", "sob", "soh", "sot")
+# Every integer argument, and the mask's address, stay runtime values: Triton otherwise compiles a binary per value
+# class (== 1, multiple of 16) and alignment, and binaries may round differently (module docstring). q, k, v and
+# out are contiguous and 16-byte aligned in every call (the wrapper makes them so), so their loads vectorize along D.
+_UNSPECIALIZED = ("mask_ptr", "T", "S", "G", "HKV", "qk_scale", "shift", "smb", "smt", "sms")
 
 
-@triton.jit(do_not_specialize=_RUNTIME_ARGS, do_not_specialize_on_alignment=_RUNTIME_ARGS)
+@triton.jit(do_not_specialize=_UNSPECIALIZED, do_not_specialize_on_alignment=_UNSPECIALIZED)
 def _exact_attention_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
-    T, S, G, HKV, qk_scale, shift,
-    sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, smb, smt, sms, sob, soh, sot,
+    T, S, G, HKV, qk_scale, shift, smb, smt, sms,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr,
 ):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
@@ -85,19 +86,19 @@ def _exact_attention_kernel(
     t = r // G
     h = kvh * G + r % G
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + b * sqb + h[:, None] * sqh + t[:, None] * sqt + d[None, :], mask=row_ok[:, None], other=0.0)
+    q_rows = (b * HKV * G + h).to(tl.int64) * T + t  # q and out: (B, H, T, D) contiguous
+    q = tl.load(q_ptr + q_rows[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
     m_i = tl.full((BLOCK_M,), -1e30, tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
     # row r may attend key j iff j <= t + shift and mask[b, t, j]: shift = 0 is causal, shift = S no limit
     hi = tl.minimum(tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1) + shift + 1, S)
-    k_base = k_ptr + b * skb + kvh * skh
-    v_base = v_ptr + b * svb + kvh * svh
+    kv_base = (b * HKV + kvh).to(tl.int64) * S * D  # k and v: (B, Hkv, S, D) contiguous
     start = 0
     while start < hi:  # a while loop: the interpreter's range() cannot take a runtime bound
         j = start + tl.arange(0, BLOCK_N)
         j_ok = j < S
-        k = tl.load(k_base + j[:, None] * sks + d[None, :], mask=j_ok[:, None], other=0.0)
+        k = tl.load(k_ptr + kv_base + j[:, None] * D + d[None, :], mask=j_ok[:, None], other=0.0)
         s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), EMULATE) * qk_scale
         valid = row_ok[:, None] & j_ok[None, :] & (j[None, :] <= t[:, None] + shift)
         allowed = tl.load(mask_ptr + b * smb + t[:, None] * smt + j[None, :] * sms, mask=valid, other=0)
@@ -106,7 +107,7 @@ def _exact_attention_kernel(
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        v = tl.load(v_base + j[:, None] * svs + d[None, :], mask=j_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + kv_base + j[:, None] * D + d[None, :], mask=j_ok[:, None], other=0.0)
         any_row = tl.max(valid.to(tl.int32), axis=0) > 0
         v = tl.where(any_row[:, None], v, tl.zeros_like(v))
         acc_new = _dot(round_to(p, v.dtype, EMULATE), v, acc * alpha[:, None], EMULATE)
@@ -117,18 +118,20 @@ def _exact_attention_kernel(
         m_i = tl.where(live, m_new, m_i)
         start += BLOCK_N
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row that may attend nothing gives 0, not NaN
-    tl.store(out_ptr + b * sob + h[:, None] * soh + t[:, None] * sot + d[None, :],
+    tl.store(out_ptr + q_rows[:, None] * D + d[None, :],
              round_to(out, out_ptr.dtype.element_ty, EMULATE), mask=row_ok[:, None])
 
 
 def exact_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                            causal: bool, scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale, masked) v for q (B, H, T, D), k/v (B, Hkv, S, D), H a multiple of Hkv; ``mask`` a
-    bool (B|1, 1, T, S) "may attend" tensor (any strides) or None; ``causal`` (T == S) masks j > t too.
+    """softmax(q k^T * scale, masked) v for q (B, H, T, D), k/v (B, Hkv, S, D), H a multiple of Hkv (copied where
+    not contiguous); ``mask`` a bool (B|1, 1, T, S) "may attend" tensor (any strides) or None; ``causal`` (T == S)
+    masks j > t too.
     Returns (B, H, T, D) in q's dtype. The caller validates (jetrl/models/exact_ops.py)."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = H // Hkv
+    q, k, v = (_canonical(x) for x in (q, k, v))
     out = torch.empty((B, H, T, D), dtype=q.dtype, device=q.device)
     if mask is None:  # one binary for every call: no mask is an all-true one, read with zero strides
         mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device)
@@ -136,10 +139,16 @@ def exact_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     sm = (0 if mask.shape[0] == 1 else mask.stride(0), mask.stride(2), mask.stride(3))
     grid = (triton.cdiv(T * G, TILES["BLOCK_M"]), B * Hkv)
     _exact_attention_kernel[grid](
-        q, k, v, mask, out, T, S, G, Hkv, float(scale) * LOG2E, 0 if causal else S,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), *sm, out.stride(0), out.stride(1), out.stride(2),
+        q, k, v, mask, out, T, S, G, Hkv, float(scale) * LOG2E, 0 if causal else S, *sm,
         D=D, BLOCK_M=TILES["BLOCK_M"], BLOCK_N=TILES["BLOCK_N"], EMULATE=INTERPRET,
         num_warps=TILES["num_warps"], num_stages=TILES["num_stages"], enable_fp_fusion=False,
     )
     return out
+
+
+def _canonical(x: torch.Tensor) -> torch.Tensor:
+    """``x`` contiguous at a 16-byte-aligned address (a copy only where it is not): every call then takes the one
+    binary compiled for aligned, contiguous q/k/v."""
+    if x.is_contiguous() and x.data_ptr() % 16 == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)

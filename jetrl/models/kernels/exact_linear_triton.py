@@ -31,11 +31,11 @@ from jetrl.fp8.kernels.rounding import INTERPRET, round_to
 TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}  # fixed: part of the arithmetic
 
 
-_RUNTIME_ARGS = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "M", "N", "K", "sxm", "swn", "som")
-
-
-@triton.jit(do_not_specialize=_RUNTIME_ARGS, do_not_specialize_on_alignment=_RUNTIME_ARGS)
-def _exact_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, sxm, swn, som,
+# M stays a runtime value (one binary for every batch size: Triton otherwise compiles one per value class, == 1 or
+# a multiple of 16, and binaries may round differently); N and K are compile-time (a layer's shape), and x, w, b and
+# out contiguous and 16-byte aligned in every call (the wrapper makes them so), so the loads vectorize.
+@triton.jit(do_not_specialize=("M",))
+def _exact_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          K_TILES: tl.constexpr, EMULATE: tl.constexpr):
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
@@ -47,31 +47,40 @@ def _exact_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, sxm, swn, som,
     for i in range(K_TILES):  # a compile-time trip count (one binary per K): the loads are software-pipelined
         kk = i * BLOCK_K + offs_k
         k_ok = kk < K
-        a = tl.load(x_ptr + rows[:, None] * sxm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptr + cols[:, None] * swn + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + cols[:, None] * K + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if EMULATE:
             acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
         else:
             acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.float32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows[:, None] * som + cols[None, :], round_to(acc, out_ptr.dtype.element_ty, EMULATE),
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], round_to(acc, out_ptr.dtype.element_ty, EMULATE),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
 def exact_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """(M, N) = x (M, K) . weight (N, K)^T (+ bias (N,)), in x's dtype; both operands with unit column stride."""
+    """(M, N) = x (M, K) . weight (N, K)^T (+ bias (N,)), in x's dtype (operands copied where not contiguous)."""
     m, k = x.shape
     n = weight.shape[0]
-    assert weight.shape[1] == k and x.stride(1) == 1 and weight.stride(1) == 1, (x.shape, weight.shape)
+    assert weight.shape[1] == k, (x.shape, weight.shape)
+    x, weight = _canonical(x), _canonical(weight)
+    bias = None if bias is None else _canonical(bias)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     grid = (triton.cdiv(n, TILES["BLOCK_N"]), triton.cdiv(m, TILES["BLOCK_M"]))
     _exact_linear_kernel[grid](
-        x, weight, x if bias is None else bias, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, x if bias is None else bias, out, m, n, k,
         HAS_BIAS=bias is not None, BLOCK_M=TILES["BLOCK_M"], BLOCK_N=TILES["BLOCK_N"], BLOCK_K=TILES["BLOCK_K"],
         K_TILES=triton.cdiv(k, TILES["BLOCK_K"]), EMULATE=INTERPRET, num_warps=TILES["num_warps"],
         num_stages=TILES["num_stages"], enable_fp_fusion=False,
     )
     return out
+
+
+def _canonical(x: torch.Tensor) -> torch.Tensor:
+    """``x`` contiguous at a 16-byte-aligned address (a copy only where it is not): one binary for every call."""
+    if x.is_contiguous() and x.data_ptr() % 16 == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
