@@ -115,6 +115,9 @@ def test_cli_prints_the_table_and_a_json_line(tmp_path, capsys):
     assert any(line.startswith("first divergence: layer 0") for line in out)
     assert main([*argv, "--recipe", "jet_kv"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["first_divergence"] is None
+    assert main([*argv, "--recipe", "jet_kv", "--exact"]) == 0  # exact mode: the sampler reports the trainer's bits
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["exact"] is True and result["logprob_max_abs_diff"] == 0.0
     assert main([*argv, "--temperature", "0"]) == 2  # a one-line error, no traceback
     assert "must be > 0" in capsys.readouterr().err
     assert main([*argv[:-2], "--device", "tpu"]) == 2

@@ -152,24 +152,25 @@ def test_exact_kernels_are_batch_invariant_on_gpu():
             assert torch.equal(step.reshape(B, H, D), full[:, :, t]), t
 
 
-def _gpu_gaps(recipe: str) -> torch.Tensor:
+def _gpu_gaps(recipe: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     from jetrl.engine import SamplingParams
     from jetrl.models import CausalLM
 
     from .engine_helpers import LOGPROB_CONFIG, engine_vs_trainer_gap, random_prompts
 
     torch.manual_seed(0)
-    base = CausalLM(LOGPROB_CONFIG).to("cuda", torch.bfloat16)
+    base = CausalLM(LOGPROB_CONFIG).to("cuda", dtype)
     prompts = random_prompts([5, 17, 33, 9], seed=1, vocab=512)
     with use_exact():
         return engine_vs_trainer_gap(base, recipe, prompts, SamplingParams(n=4, temperature=1.0, max_tokens=48, seed=0))
 
 
 @requires_sm90
-@pytest.mark.parametrize("recipe", ["bf16", "jet", "jet_kv"])
-def test_exact_mode_engine_logprobs_equal_trainer_on_gpu(recipe):
-    gap = _gpu_gaps(recipe)
-    print(f"exact {recipe}: {gap.numel()} tokens, max |engine - trainer| {gap.max().item():.3g}")
+@pytest.mark.parametrize(("recipe", "dtype"), [("bf16", torch.bfloat16), ("jet", torch.bfloat16),
+                                               ("jet_kv", torch.bfloat16), ("jet_kv", torch.float32)])
+def test_exact_mode_engine_logprobs_equal_trainer_on_gpu(recipe, dtype):
+    gap = _gpu_gaps(recipe, dtype)
+    print(f"exact {recipe} {dtype}: {gap.numel()} tokens, max |engine - trainer| {gap.max().item():.3g}")
     assert gap.numel() == 16 * 48 and gap.max().item() == 0.0
 
 

@@ -33,8 +33,8 @@ overridable (``override_backend``, or the ``JETRL_GEMM_BACKEND`` environment var
   wave of the GPU's SMs, where cuBLAS's 128 x 128 tiles leave SMs idle. K a multiple of 256.
 
 Exact mode (jetrl/exact.py) overrides all of them for forward GEMMs on CUDA: the Triton kernel with one
-tile shape for every M (``EXACT_TILES``, no split-K), so a row's sum runs in the same order in a decode step
-and in the trainer's forward. Gradient GEMMs (``batch_invariant=False``) keep the per-shape choice.
+tile shape for every M (``EXACT_TILES``, no split-K) and one binary (M unspecialized), so a row's sum runs in the
+same order in a decode step and in the trainer's forward. Gradient GEMMs (``batch_invariant=False``) keep the per-shape choice.
 
 Per-shape dispatch on SM90 (:func:`choose_backend`) is a fixed rule of the shape -- never a
 timing taken at run time -- so a given shape always runs the same kernel with the same
@@ -106,7 +106,7 @@ def _gemm_exact(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype) -> tor
     from jetrl.fp8.kernels.gemm_triton import SmallMConfig, gemm_small_m
 
     tiles = SmallMConfig(*EXACT_TILES)
-    return gemm_small_m(a.codes, a.scales, b.codes, b.scales, out_dtype, tiles)
+    return gemm_small_m(a.codes, a.scales, b.codes, b.scales, out_dtype, tiles, one_binary=True)
 
 
 # exact mode's FP8 GEMM tiles: (BLOCK_M, BLOCK_N, split_k, num_warps, num_stages), one shape for every M: part of

@@ -10,7 +10,7 @@ the same bits in a decode step and in the trainer's full forward. Both keep auto
   belong in a gradient, and no rollout ever sees one.
 
 Arguments outside what the kernels implement (dropout, float masks, a per-head mask, a head_dim that is not
-a power of two, a dtype other than bf16/fp16) raise with the reason: exact mode never falls back silently
+a power of two, a dtype other than bf16/fp16/fp32) raise with the reason: exact mode never falls back silently
 to a kernel that is not batch-invariant.
 """
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-EXACT_DTYPES = (torch.bfloat16, torch.float16)
+EXACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: IEEE products in the dots, not TF32
 
 
 def exact_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -50,11 +50,11 @@ def exact_attention_reference(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
 
 
 def exact_linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear`` through the batch-invariant kernel (CUDA, bf16/fp16)."""
+    """``F.linear`` through the batch-invariant kernel (CUDA, bf16/fp16/fp32)."""
     _check_device(input)
     if input.dtype not in EXACT_DTYPES or weight.dtype != input.dtype or (bias is not None and bias.dtype != input.dtype):
         raise ValueError(
-            f"exact mode: the batch-invariant linear layer takes bf16/fp16 input and parameters of one dtype, got "
+            f"exact mode: the batch-invariant linear layer takes bf16/fp16/fp32 input and parameters of one dtype, got "
             f"input {input.dtype}, weight {weight.dtype}" + ("" if bias is None else f", bias {bias.dtype}")
             + "; cast the model to bf16, or leave exact mode (jetrl.exact.use_exact(False))")
     return _ExactLinear.apply(input, weight, bias)
@@ -93,7 +93,7 @@ def _attention_problem(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dro
     if k.shape[0] != B or k.shape[3] != D or H % k.shape[1] or (H != k.shape[1] and not enable_gqa):
         return f"shapes q {tuple(q.shape)} and k {tuple(k.shape)} do not pair (GQA needs enable_gqa=True)"
     if q.dtype not in EXACT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}; bf16 or fp16, one dtype"
+        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype}; bf16, fp16 or fp32, one dtype"
     if D < 16 or D & (D - 1):
         return f"head_dim {D} is not a power of two >= 16"
     if dropout_p:

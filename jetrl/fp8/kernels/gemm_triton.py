@@ -108,6 +108,11 @@ def _store_tile(acc, out, work, tile_mask, count_ptr, pid_k, tile_elems, SPLIT_K
             tl.atomic_xchg(count_ptr, 0)
 
 
+# Exact mode (jetrl/exact.py, fp8/gemm.py): the same kernel with M and the activation scales' strides (M-sized when
+# the scales are column-major) left unspecialized, so one binary serves every M -- Triton otherwise compiles one per
+# value class (== 1, a multiple of 16), and binaries may round differently (models/kernels/exact_attention_triton.py)
+_gemm_exact_kernel = triton.jit(do_not_specialize=("M", "stride_sam", "stride_sak"))(_gemm_small_m_kernel.fn)
+
 MAX_TILES = 65536  # counters per device: M <= 64 rows in 16-row tiles x N up to 262144 in 64-wide tiles
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -132,12 +137,13 @@ def _tile_counters(device: torch.device) -> torch.Tensor:
 
 def gemm_small_m(
     a_codes: torch.Tensor, a_scales: torch.Tensor, b_codes: torch.Tensor, b_scales: torch.Tensor,
-    out_dtype: torch.dtype = torch.bfloat16, config: SmallMConfig | None = None,
+    out_dtype: torch.dtype = torch.bfloat16, config: SmallMConfig | None = None, one_binary: bool = False,
 ) -> torch.Tensor:
     """out[M, N] = deq(a) @ deq(b)^T for a (M, K) 1x128 and b (N, K) 128x128 (row-major codes).
 
     One launch (the split-K sum is done in-kernel by the last split of each tile); the
     counters are allocated on the first call, so run once before capturing a CUDA graph.
+    ``one_binary``: the kernel compiled once for every M (exact mode).
     """
     m, k = a_codes.shape
     n = b_codes.shape[0]
@@ -156,7 +162,7 @@ def gemm_small_m(
         counters = _tile_counters(a_codes.device)
     else:
         work = counters = out  # unused
-    _gemm_small_m_kernel[grid](
+    (_gemm_exact_kernel if one_binary else _gemm_small_m_kernel)[grid](
         a_codes, a_scales, b_codes, b_scales, out, work, counters,
         m, n, k, a_codes.stride(0), b_codes.stride(0), a_scales.stride(0), a_scales.stride(1), b_scales.stride(0),
         out.stride(0),

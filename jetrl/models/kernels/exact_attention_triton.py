@@ -63,6 +63,8 @@ def _dot(a, b, acc, EMULATE: tl.constexpr):
     dot into the dot, in one binary and not in another, and the two round differently."""
     if EMULATE:
         return acc + tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif a.dtype == tl.float32:  # an fp32 model: IEEE fp32 products, not TF32
+        return tl.dot(a, b, acc, input_precision="ieee", out_dtype=tl.float32)
     else:
         return tl.dot(a, b, acc, out_dtype=tl.float32)
 

@@ -51,6 +51,8 @@ def _exact_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N: tl.constexpr, K: tl
         b = tl.load(w_ptr + cols[:, None] * K + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if EMULATE:
             acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+        elif a.dtype == tl.float32:  # an fp32 model: IEEE fp32 products, not TF32
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee", out_dtype=tl.float32)
         else:
             acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.float32)
     if HAS_BIAS:
