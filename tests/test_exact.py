@@ -108,6 +108,26 @@ def test_exact_mode_switch_and_cpu_passthrough():
     assert not exact_requested()
 
 
+def test_toggling_exact_mode_recaptures_the_engines_graphs():
+    """Graphs captured with the fast kernels must not be replayed in exact mode, nor the other way round."""
+    from jetrl import fp8
+    from jetrl.engine import Engine, SamplingParams
+
+    from .engine_helpers import random_prompts, tiny_model
+    from .test_engine_graphs import with_stand_in_graphs
+
+    engine = Engine(fp8.convert_to_float8(tiny_model(), fp8.get_recipe("jet")), max_slots=4, max_len=32, sync_every=4)
+    graphs = with_stand_in_graphs(engine)
+    prompts, params = random_prompts([4, 6]), SamplingParams(max_tokens=6, seed=0)
+    engine.generate(prompts, params)
+    assert graphs.num_resets == 1
+    with use_exact():
+        engine.generate(prompts, params)
+    assert graphs.num_resets == 2
+    engine.generate(prompts, params)
+    assert graphs.num_resets == 3
+
+
 def test_exact_mode_rejects_what_its_kernels_cannot_run():
     from jetrl.models.exact_ops import _attention_problem
 

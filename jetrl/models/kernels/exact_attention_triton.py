@@ -21,14 +21,17 @@ were -- selected, not recomputed as a = 1, p = 0, so nothing rests on a tensor-c
 bit for bit when every product is 0 -- and a training tile that runs past a row's causal limit for the sake of its
 other rows, or a decode row that walks the whole static cache, ends with the bits of a walk that stopped at the
 limit.
-Every call runs the same binary -- causal or masked, prefill or decode: the causal limit is a runtime shift, "no
-mask" an all-true mask read with zero strides, and no argument is specialized on its value or alignment (Triton
-compiles one binary per specialization) -- compiled without FMA contraction (``enable_fp_fusion=False``),
-and the P.V product accumulates inside the dot. Measured on the H200 (bench/probe_exact.py, a causal call against
-the same rows through a tril mask): two binaries (causal and masked as compile-time flags) differed in the last bit
-of 13 of 10,624 rows; one source but Triton's default specialization (a binary per argument value class and
-alignment) still in 7-10; one unspecialized binary in none, and the decode's rows equal the trainer's in every
-row.
+
+Every call with one head_dim runs the same binary -- causal or masked, prefill or decode. The causal limit is a
+runtime shift, "no mask" an all-true mask read with zero strides, the sizes and the mask stay unspecialized
+(Triton otherwise compiles a binary per argument value class, == 1 or a multiple of 16, and per alignment), and
+q/k/v/out are contiguous and 16-byte aligned in every call (the wrapper copies where they are not), so their
+addresses specialize alike and their loads vectorize along D. The kernel is compiled without FMA contraction
+(``enable_fp_fusion=False``) and the P.V product accumulates inside the dot. Measured on the H200
+(bench/probe_exact.py, a causal call against the same rows through a tril mask): two binaries (causal and masked
+as compile-time flags) differed in the last bit of 13 of 10,624 rows; one source under Triton's default
+specialization still in 7-10; one binary in none, and the decode's rows equal the trainer's in every row.
+
 The tile shapes, warps and the order of every sum are constants of this file (``TILES``), never a
 function of the batch, the sequence length or the GPU's occupancy (no split-K, no flash-decoding split):
 that is the whole difference from SDPA's kernels and from the fused decode kernel, whose split count
