@@ -29,13 +29,15 @@ replaced through a ``TorchFunctionMode`` while :func:`use_exact` is active, so t
 touched; the backward is unchanged in spirit (BF16 GEMMs for the linear layer's gradients, SDPA's
 gradient for attention), since gradients never reach a rollout.
 
-Cost: the fixed tiles are not the fastest at every shape, and the decode attention reads the whole
-static cache: exact mode is for measuring and for runs that want zero mismatch, not for speed
-(docs/benchmarks.md gives its price). It needs an SM89+ GPU with Triton and the fused kernels on.
+Cost (H200, docs/benchmarks.md "Exact mode"): 2.5x the trainer's forward, 1.25x a training step, 1.7-2.8x the
+decode step of ``bf16``/``jet`` and 9-18x ``jet_kv``'s -- the fixed tiles are not the fastest at every shape, the
+decode attention walks the whole static cache, and an FP8 cache is dequantized whole for it every layer. So exact
+mode is for measuring and for runs that want zero mismatch, and off by default. It needs an SM89+ GPU with Triton
+and the fused kernels on.
 
-Use: ``with jetrl.exact.use_exact(): ...`` around both the trainer and the engine (it is per process
-and per thread), ``exact: true`` in a run config, ``--exact`` on ``jetrl diagnose``, or ``JETRL_EXACT=1``
-for any ``jetrl`` command.
+Use: ``with jetrl.exact.use_exact(): ...`` around both the trainer and the engine, in the thread that runs them
+(the switch is process-wide, the interception of the two model ops per thread), ``exact: true`` in a run config,
+``--exact`` on ``jetrl diagnose``, or ``JETRL_EXACT=1`` for any ``jetrl`` command.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ def exact_from_env() -> bool:
 
 @contextlib.contextmanager
 def use_exact(enabled: bool = True) -> Iterator[None]:
-    """Exact mode on (or, nested, off) inside the block, for this thread (module docstring)."""
+    """Exact mode on (or, nested, off) inside the block (module docstring: enter it in the thread that runs the
+    trainer and the engine)."""
     with _override(bool(enabled)):
         if not enabled:
             yield
