@@ -106,17 +106,13 @@ def _attention_problem(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dro
     return None
 
 
-def _unit_last(t: Tensor) -> Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 class _ExactLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         from jetrl.models.kernels.exact_linear_triton import exact_linear_triton
 
-        x2d = _unit_last(x.reshape(-1, x.shape[-1]))
-        out = exact_linear_triton(x2d, _unit_last(weight), None if bias is None else bias.contiguous())
+        x2d = x.reshape(-1, x.shape[-1])
+        out = exact_linear_triton(x2d, weight, bias)  # the kernel takes its operands contiguous and aligned
         ctx.save_for_backward(x2d, weight)
         ctx.has_bias, ctx.x_shape = bias is not None, x.shape
         return out.view(*x.shape[:-1], weight.shape[0])
@@ -136,7 +132,7 @@ class _ExactAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, mask, causal, scale, enable_gqa):
         from jetrl.models.kernels.exact_attention_triton import exact_attention_triton
 
-        out = exact_attention_triton(_unit_last(q), _unit_last(k), _unit_last(v), mask, causal, scale)
+        out = exact_attention_triton(q, k, v, mask, causal, scale)  # it takes q/k/v contiguous and aligned
         ctx.save_for_backward(q, k, v, *(() if mask is None else (mask,)))
         ctx.causal, ctx.scale, ctx.enable_gqa, ctx.has_mask = causal, scale, enable_gqa, mask is not None
         return out

@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from jetrl.fp8.kernels.rounding import INTERPRET, round_to
+from jetrl.models.kernels import aligned_contiguous
 
 TILES = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}  # fixed: part of the arithmetic
 LOG2E = math.log2(math.e)
@@ -136,7 +137,7 @@ def exact_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = H // Hkv
-    q, k, v = (_canonical(x) for x in (q, k, v))
+    q, k, v = (aligned_contiguous(x) for x in (q, k, v))
     out = torch.empty((B, H, T, D), dtype=q.dtype, device=q.device)
     if mask is None:  # one binary for every call: no mask is an all-true one, read with zero strides
         mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device)
@@ -149,11 +150,3 @@ def exact_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
         num_warps=TILES["num_warps"], num_stages=TILES["num_stages"], enable_fp_fusion=False,
     )
     return out
-
-
-def _canonical(x: torch.Tensor) -> torch.Tensor:
-    """``x`` contiguous at a 16-byte-aligned address (a copy only where it is not): every call then takes the one
-    binary compiled for aligned, contiguous q/k/v."""
-    if x.is_contiguous() and x.data_ptr() % 16 == 0:
-        return x
-    return x.clone(memory_format=torch.contiguous_format)

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from jetrl.fp8.kernels.rounding import INTERPRET, round_to
+from jetrl.models.kernels import aligned_contiguous
 
 TILES = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}  # fixed: part of the arithmetic
 
@@ -66,8 +67,8 @@ def exact_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     m, k = x.shape
     n = weight.shape[0]
     assert weight.shape[1] == k, (x.shape, weight.shape)
-    x, weight = _canonical(x), _canonical(weight)
-    bias = None if bias is None else _canonical(bias)
+    x, weight = aligned_contiguous(x), aligned_contiguous(weight)
+    bias = None if bias is None else aligned_contiguous(bias)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -79,10 +80,3 @@ def exact_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         num_stages=TILES["num_stages"], enable_fp_fusion=False,
     )
     return out
-
-
-def _canonical(x: torch.Tensor) -> torch.Tensor:
-    """``x`` contiguous at a 16-byte-aligned address (a copy only where it is not): one binary for every call."""
-    if x.is_contiguous() and x.data_ptr() % 16 == 0:
-        return x
-    return x.clone(memory_format=torch.contiguous_format)
