@@ -4,7 +4,9 @@ each normal vs exact in one process, on an 8-layer random Qwen3 of Qwen3-8B's sh
 * decode step: the engine's captured step at B = 64 and 256, mean context 640 (``ab_decode_steps``: two engines
   over the same cache, timed off, on, on, off), per recipe;
 * forward: the trainer's old-logprob forward (hidden states + lm_head) over 8 x 1152 tokens, no grad;
-* training step: forward + backward of the hidden states over 4 x 1152 tokens (``jet``).
+* training step: forward + backward of the hidden states over 4 x 1152 tokens (``jet``);
+* where the exact forward's time goes: GPU time by kernel kind of one ``jet`` forward, normal and exact
+  (torch.profiler; ``PROFILE=0`` skips it).
 
 Prints one JSON line per row; writes $OUT/probe_exact_speed.json.
 
@@ -35,6 +37,36 @@ def _ab(fn, dev) -> dict:
     return {"normal_ms": normal, "exact_ms": exact, "exact_over_normal": exact / normal}
 
 
+KINDS = (("exact attention", "_exact_attention"), ("exact linear", "_exact_linear"), ("exact fp8 gemm", "_gemm_exact"),
+         ("attention", ("flash", "fmha", "attention", "cudnn")), ("fp8 gemm", ("gemm_small_m", "qqtst", "blk128",
+                                                                             "_gemm_kernel", "gluon")),
+         ("bf16 gemm", ("gemm", "xmma", "cutlass", "nvjet", "sm90")), ("quant", ("quant",)))
+
+
+def _kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KINDS:
+        if any(k in low for k in ((keys,) if isinstance(keys, str) else keys)):
+            return kind
+    return "other"
+
+
+def _profile(fn) -> dict:
+    """GPU ms by kernel kind of one call of ``fn`` (warm)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    by_kind: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" and e.self_device_time_total > 0:
+            by_kind[_kind(e.key)] = by_kind.get(_kind(e.key), 0.0) + e.self_device_time_total / 1e3
+    return {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}
+
+
 def main() -> None:
     dev, layers = torch.device("cuda"), int(os.environ.get("LAYERS", "8"))
     cfg = dataclasses.replace(h200_config(), layers=layers)
@@ -57,6 +89,12 @@ def main() -> None:
 
         rows.append({"what": "trainer forward 8 x 1152", "recipe": recipe, "layers": layers, **_ab(forward, dev)})
         print(json.dumps(rows[-1]), flush=True)
+        if recipe == "jet" and os.environ.get("PROFILE", "1") == "1":
+            for on in (False, True):
+                with use_exact(on):
+                    rows.append({"what": "trainer forward 8 x 1152, GPU ms by kernel kind", "recipe": recipe,
+                                 "exact": on, "layers": layers, **_profile(forward)})
+                print(json.dumps(rows[-1]), flush=True)
         free_device_memory()
     set_recipe(model, "jet")
     model.requires_grad_(True)

@@ -16,9 +16,9 @@ in fp64 like the FP8 emulation, and the last item):
 * FP8 forward GEMMs: one Triton kernel with one tile shape for every M (fp8/gemm.py, ``EXACT_TILES``);
 * ``F.linear`` in high precision (the lm_head in every recipe, the BF16 recipes' projections, the BF16
   sibling stacks): a Triton GEMM with one tile shape (models/kernels/exact_linear_triton.py);
-* ``F.scaled_dot_product_attention`` (the trainer's forward, the prefill, and the decode, which then
-  reads the cache through the model's attention instead of the fused decode kernel): one Triton kernel
-  with one tile shape (models/kernels/exact_attention_triton.py);
+* ``F.scaled_dot_product_attention`` (the trainer's forward, the prefill) and the decode's attention over the
+  KV cache (instead of the fused decode kernel; an FP8 cache's codes and scales read directly): one Triton kernel
+  with one tile shape and one binary (models/kernels/exact_attention_triton.py);
 * the engine reports each sampled token's logprob with the trainer's own function
   (``jetrl.rl.token_logprobs.chosen_token_logprobs``) instead of the sampler's own reduction -- on the CPU
   too, where that is the only change (the sampler's log-softmax agrees with the trainer's to ~1e-6 only).
@@ -29,9 +29,9 @@ replaced through a ``TorchFunctionMode`` while :func:`use_exact` is active, so t
 touched; the backward is unchanged in spirit (BF16 GEMMs for the linear layer's gradients, SDPA's
 gradient for attention), since gradients never reach a rollout.
 
-Cost (H200, docs/benchmarks.md "Exact mode"): 2.5x the trainer's forward, 1.25x a training step, 1.7-2.8x the
-decode step of ``bf16``/``jet`` and 9-18x ``jet_kv``'s -- the fixed tiles are not the fastest at every shape, the
-decode attention walks the whole static cache, and an FP8 cache is dequantized whole for it every layer. So exact
+Cost (H200, docs/benchmarks.md "Exact mode", run CS): 1.6-2.2x the trainer's forward, 1.08x a training step,
+1.85-2.7x the decode step (``bf16`` least, ``jet_kv`` most) -- one tile shape is not the fastest at every shape,
+the FP8 GEMM runs without split-K, and the decode's attention runs 16-row tiles of which a step fills 4. So exact
 mode is for measuring and for runs that want zero mismatch, and off by default. It needs an SM89+ GPU with Triton
 and the fused kernels on.
 

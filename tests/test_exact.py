@@ -59,6 +59,24 @@ close(out, exact_attention_reference(qd, kc, vc, dmask), 0.03)
 # the model's decode fold (B, Hkv, G, D) against a (B, 1, 1, S) mask: the same rows, the same bits
 folded = exact_attention_triton(qd.reshape(2, 2, 2, 32), kc, vc, dmask, False, 32 ** -0.5).reshape(2, 4, 1, 32)
 assert torch.equal(folded, out)
+# a KV cache's rows: keys 0..lengths[b] read by the kernel itself (no mask), the same bits as the masked call
+assert torch.equal(exact_attention_triton(qd, kc, vc, None, False, 32 ** -0.5, lengths=lengths), out)
+# an FP8 cache (pow2 scales as jet_kv's, and fp32 ones): codes and scales dequantized in the kernel equal the masked
+# call over the dequantized cache bit for bit; stale positions hold NaN codes and NaN scales
+from jetrl.fp8.kv_quant import dequantize_kv, quantize_kv
+finite = torch.randn(2, 2, S, 32, dtype=bf)
+for pow2 in (True, False):
+    kq, vq = (quantize_kv(x, pow2_scale=pow2) for x in (finite, finite.flip(2)))
+    codes = [x.codes.view(2, 2, S, 32).view(torch.uint8).clone() for x in (kq, vq)]
+    scales = [x.scales.view(2, 2, S).clone() for x in (kq, vq)]
+    for row, n in enumerate(lengths.tolist()):
+        for c, sc in zip(codes, scales):
+            c[row, :, n + 1:], sc[row, :, n + 1:] = 0x7F, float("nan")
+    deq = [dequantize_kv(c.view(torch.float8_e4m3fn), sc, bf) for c, sc in zip(codes, scales)]
+    masked = exact_attention_triton(qd, *deq, dmask, False, 32 ** -0.5)
+    cached = exact_attention_triton(qd, *codes, None, False, 32 ** -0.5, lengths=lengths, k_scales=scales[0],
+                                    v_scales=scales[1])
+    assert torch.isfinite(cached.float()).all() and torch.equal(cached, masked), pow2
 print("OK")
 """
 
@@ -79,9 +97,10 @@ def test_exact_kernels_compile_for_sm90():
     from jetrl.models.kernels.exact_linear_triton import _exact_linear_kernel
 
     bf = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "x_ptr", "w_ptr", "b_ptr")}
-    compile_for_sm90(_exact_attention_kernel, {"D": 128, "BLOCK_M": ATT["BLOCK_M"],
-                                               "BLOCK_N": ATT["BLOCK_N"], "EMULATE": False},
-                     {**bf, "mask_ptr": "*u8"}, floats=("qk_scale",), num_warps=ATT["num_warps"])
+    compile_for_sm90(_exact_attention_kernel, {"D": 128, "BLOCK_M": ATT["BLOCK_M"], "BLOCK_N": ATT["BLOCK_N"],
+                                               "EMULATE": False},
+                     {**bf, "mask_ptr": "*u8", "kc_ptr": "*u8", "vc_ptr": "*u8", "len_ptr": "*i64"},
+                     floats=("qk_scale",), num_warps=ATT["num_warps"])
     compile_for_sm90(_exact_linear_kernel, {"HAS_BIAS": True, "BLOCK_M": LIN["BLOCK_M"], "BLOCK_N": LIN["BLOCK_N"],
                                             "BLOCK_K": LIN["BLOCK_K"], "N": 4096, "K": 4096, "K_TILES": 64, "EMULATE": False}, bf,
                      num_warps=LIN["num_warps"], num_stages=LIN["num_stages"])
@@ -138,6 +157,16 @@ def test_exact_mode_rejects_what_its_kernels_cannot_run():
     assert "enable_gqa" in _attention_problem(q, q[:, :2], q[:, :2], None, 0.0, False, False)
     assert "bool" in _attention_problem(q, q, q, torch.zeros(1, 1, 8, 8), 0.0, False, False)
     assert _attention_problem(q, q[:, :2], q[:, :2], torch.ones(1, 1, 8, 8, dtype=torch.bool), 0.0, False, True) is None
+    # the decode step over a cache (exact_cache_attention)
+    from jetrl.models.exact_ops import _cache_problem
+
+    qd, cache, lengths = torch.empty(2, 4, 1, 32, dtype=torch.bfloat16), torch.empty(2, 2, 64, 32), torch.zeros(2)
+    codes, scales = cache.to(torch.uint8), torch.empty(2, 2, 64)
+    assert "one decode query" in _cache_problem(q[:, :, :2], cache, cache, lengths.long(), None, None)
+    assert "int64" in _cache_problem(qd, cache.bfloat16(), cache.bfloat16(), lengths, None, None)
+    assert "model-dtype cache" in _cache_problem(qd, cache, cache, lengths.long(), None, None)
+    assert "FP8 cache" in _cache_problem(qd, codes, codes, lengths.long(), scales, None)
+    assert _cache_problem(qd, codes, codes, lengths.long(), scales, scales) is None
 
 
 # ----------------------------------------------------------------------------- on the GPU
@@ -170,6 +199,25 @@ def test_exact_kernels_are_batch_invariant_on_gpu():
             step = torch.nn.functional.scaled_dot_product_attention(
                 q[:, :, t:t + 1].reshape(B, Hkv, H // Hkv, D), cache_k, cache_v, attn_mask=mask)
             assert torch.equal(step.reshape(B, H, D), full[:, :, t]), t
+        # the engine's exact decode (exact_cache_attention): each row at its own position, over a model-dtype cache
+        # and over an FP8 one whose codes and scales the kernel dequantizes (the trainer: SDPA on deq(q(K)), deq(q(V)))
+        from jetrl.fp8.kv_quant import dequantize_kv, quantize_kv
+        from jetrl.models.exact_ops import exact_cache_attention
+
+        lengths = torch.tensor([0, 150, T - 1], device=dev)
+        q_step = q[torch.arange(B, device=dev), :, lengths].unsqueeze(2)  # (B, H, 1, D): row b at position lengths[b]
+        rows = torch.arange(B, device=dev)
+        assert torch.equal(exact_cache_attention(q_step, cache_k, cache_v, lengths)[:, :, 0], full[rows, :, lengths])
+        for pow2 in (True, False):
+            quantized = [quantize_kv(x, pow2_scale=pow2) for x in (k, v)]
+            codes = [torch.full((B, Hkv, S, D), 0x7F, device=dev, dtype=torch.uint8) for _ in range(2)]
+            scales = [torch.full((B, Hkv, S), float("nan"), device=dev) for _ in range(2)]
+            for c, sc, x in zip(codes, scales, quantized):
+                c[:, :, :T], sc[:, :, :T] = x.codes.view(B, Hkv, T, D).view(torch.uint8), x.scales.view(B, Hkv, T)
+            k_hat, v_hat = (dequantize_kv(x.codes.view(B, Hkv, T, D), x.scales.view(B, Hkv, T), bf) for x in quantized)
+            full_q = torch.nn.functional.scaled_dot_product_attention(q, k_hat, v_hat, is_causal=True, enable_gqa=True)
+            step = exact_cache_attention(q_step, *codes, lengths, *scales)[:, :, 0]
+            assert torch.equal(step, full_q[rows, :, lengths]), pow2
 
 
 def _gpu_gaps(recipe: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

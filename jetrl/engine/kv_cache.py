@@ -47,7 +47,9 @@ reads FP8 codes and scales directly instead of materializing a dequantized cache
 K/V are written (and quantized) by one fused kernel (``kernels/kv_store_triton.py``, spec
 :meth:`DecodeView.store_reference`). No host sync, so a decode step stays CUDA-graph capturable.
 The CPU path never uses them: it dequantizes and runs the model's own attention, the reference the
-kernel is tested against. With the flag set a prefill's store into a model-dtype cache is one Triton
+kernel is tested against. In exact mode (jetrl/exact.py) ``attend`` is exact mode's attention kernel instead, the
+trainer's own (``exact_cache_attention``): it too reads each row's keys ``0..lengths[s]`` only, FP8 codes and scales
+directly, with the bits of the model's attention over the dequantized cache and :meth:`decode_mask`. With the flag set a prefill's store into a model-dtype cache is one Triton
 pass too (``store_prefill_triton``: PyTorch's indexed store of a transposed K/V runs at ~0.8 TB/s).
 """
 
@@ -224,7 +226,8 @@ class PrefillView:
 class DecodeView:
     """KVCache protocol for one decode step over slots [0, B): row s writes at position lengths[s].
 
-    ``attend`` is None unless the cache's ``use_decode_kernel`` is set (module docstring), and in exact mode.
+    ``attend`` is the fused decode kernel if the cache's ``use_decode_kernel`` is set (module docstring), exact
+    mode's attention kernel in exact mode, and None otherwise.
     """
 
     def __init__(self, cache: StaticKVCache, num_rows: int) -> None:
@@ -232,8 +235,11 @@ class DecodeView:
         self.offset = cache.max_len - 1  # the forward sees offset + T = max_len keys
         self._index: Tensor | None = None
         self._row_order: Tensor | None = None  # decode attention's program order, longest row first
-        # exact mode (jetrl/exact.py): no fused kernel, the model's own (batch-invariant) attention reads the cache
-        self.attend = self._attend_fused if cache.use_decode_kernel and not exact_active(cache.k.device) else None
+        self.attend = None
+        if exact_active(cache.k.device):  # exact mode (jetrl/exact.py): the trainer's batch-invariant attention
+            self.attend = self._attend_exact
+        elif cache.use_decode_kernel:
+            self.attend = self._attend_fused
 
     def _store(self, layer_idx: int, k: Tensor, v: Tensor) -> None:
         """Write each row's k/v (B, Hkv, 1, D) at its own position lengths[s]; no host sync."""
@@ -286,3 +292,18 @@ class DecodeView:
                                k_scales=k_scales, v_scales=v_scales, sm_scale=q.shape[-1] ** -0.5,
                                pow2_scales=cache.pow2_scales, row_order=self._row_order, quantized=quantized)
         return out.unsqueeze(2)
+
+    def _attend_exact(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor, quantized=None) -> Tensor:
+        """Exact mode: store k/v, then the trainer's batch-invariant attention kernel over the cache rows, reading
+        each row's keys 0..lengths[s] only and an FP8 cache's codes and scales directly (the same values and bits
+        as the model's attention over :meth:`StaticKVCache.read` and :meth:`StaticKVCache.decode_mask`)."""
+        from jetrl.engine.decode_attention import quantize_output
+        from jetrl.models.exact_ops import exact_cache_attention  # lazy: Triton, GPU only
+
+        self._store(layer_idx, k, v)
+        cache, B = self.cache, self.num_rows
+        scales = (cache.k_scale[layer_idx, :B], cache.v_scale[layer_idx, :B]) if cache.is_fp8 else (None, None)
+        out = exact_cache_attention(q, cache.k[layer_idx, :B], cache.v[layer_idx, :B], cache.lengths[:B], *scales)
+        if quantized is not None:  # o_proj's FP8 input, by the one quantizer (what o_proj would compute itself)
+            quantize_output(out[:, :, 0], quantized)
+        return out

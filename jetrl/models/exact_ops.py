@@ -72,6 +72,23 @@ def exact_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor
     return _ExactAttention.apply(query, key, value, attn_mask, bool(is_causal), scale, bool(enable_gqa))
 
 
+def exact_cache_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scales: Tensor | None = None,
+                          v_scales: Tensor | None = None) -> Tensor:
+    """A decode step's attention over a static KV cache through the same kernel (and binary) as
+    :func:`exact_attention`: q (B, H, 1, D), k/v (B, Hkv, S, D) the cache rows in q's dtype, or E4M3 codes with
+    fp32 ``k_scales``/``v_scales`` (B, Hkv, S); row b attends keys 0..lengths[b]. Equal bit for bit to
+    ``exact_attention(q, deq(k), deq(v), attn_mask=(j <= lengths[b]))``, without materializing the dequantized
+    cache or reading past each row's length. No autograd (a rollout)."""
+    _check_device(q)
+    problem = _cache_problem(q, k, v, lengths, k_scales, v_scales)
+    if problem:
+        raise ValueError(f"exact mode: the batch-invariant attention cannot run this decode step: {problem}")
+    from jetrl.models.kernels.exact_attention_triton import exact_attention_triton
+
+    return exact_attention_triton(q, k, v, None, False, q.shape[-1] ** -0.5, lengths=lengths, k_scales=k_scales,
+                                  v_scales=v_scales)
+
+
 def _check_device(x: Tensor) -> None:
     from jetrl.fp8.kernels import capability, has_triton
     from jetrl.models.fused import FUSED_MIN_CAPABILITY, fused_ops_requested
@@ -103,6 +120,29 @@ def _attention_problem(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dro
     if mask is not None and (mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1
                              or mask.shape[0] not in (1, B) or mask.shape[2] not in (1, T) or mask.shape[3] != k.shape[2]):
         return f"attn_mask must be bool (B|1, 1, T|1, S), got {mask.dtype} {tuple(mask.shape)}"
+    return None
+
+
+def _cache_problem(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, k_scales: Tensor | None,
+                   v_scales: Tensor | None) -> str | None:
+    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
+        return f"q (B, H, 1, D) and k/v (B, Hkv, S, D) expected, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+    B, H, T, D = q.shape
+    if T != 1 or k.shape[0] != B or k.shape[3] != D or H % k.shape[1]:
+        return f"shapes q {tuple(q.shape)} and k {tuple(k.shape)} are not one decode query per row over its cache"
+    if D < 16 or D & (D - 1):
+        return f"head_dim {D} is not a power of two >= 16"
+    if lengths.dtype != torch.int64 or lengths.shape != (B,):
+        return f"lengths must be int64 ({B},), got {lengths.dtype} {tuple(lengths.shape)}"
+    if q.dtype not in EXACT_DTYPES:
+        return f"q dtype {q.dtype}; bf16, fp16 or fp32"
+    if k_scales is None:
+        return None if k.dtype == v.dtype == q.dtype else f"a model-dtype cache in q's dtype {q.dtype}, got {k.dtype}"
+    if (k.dtype not in (torch.uint8, torch.float8_e4m3fn) or v.dtype != k.dtype or v_scales is None
+            or k_scales.dtype != torch.float32 or v_scales.dtype != torch.float32
+            or k_scales.shape != k.shape[:3] or v_scales.shape != k.shape[:3]):
+        return (f"an FP8 cache needs E4M3 codes (B, Hkv, S, D) and fp32 scales (B, Hkv, S) for K and V, got {k.dtype} "
+                f"{tuple(k.shape)} with scales {tuple(k_scales.shape)}, {None if v_scales is None else tuple(v_scales.shape)}")
     return None
 
 

@@ -102,6 +102,7 @@ import triton
 import triton.language as tl
 
 from jetrl.engine.decode_attention import quantize_output
+from jetrl.fp8.kernels.kv_dequant_triton import dequantized, e4m3_to_f16
 from jetrl.fp8.kernels.pdl import release, release_rows
 from jetrl.fp8.kernels.quant_triton import explicit_round, quantize_rows
 from jetrl.fp8.kernels.rounding import INTERPRET, round_to
@@ -138,34 +139,10 @@ def _dot(a, b, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_to_f16(codes, EMULATE: tl.constexpr):
-    """uint8 E4M3 codes -> fp16 (exact), converted where they are loaded.
-
-    On the GPU this is PTX ``cvt.rn.f16x2.e4m3x2`` marked impure, so that the compiler cannot move
-    it behind the shared-memory layout change of a tl.dot operand: V's reduction axis is not
-    contiguous, and moving 8-bit codes into the mma layout costs one ld.shared.b8 per element
-    (module docstring), while fp16 values move with ldmatrix.trans.
-    """
-    if EMULATE:
-        return codes.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    else:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-            "=r,=r,r", [codes], dtype=tl.float16, is_pure=False, pack=4)
-
-
-@triton.jit
 def _load_tile(row_ptr, pos, offs_d, stride_s, stride_d, s_mask, d_mask):
     """A (BLOCK_S, BLOCK_D) tile of the cache in its storage dtype, masked (stale or padded) entries 0."""
     return tl.load(row_ptr + pos[:, None] * stride_s + offs_d[None, :] * stride_d,
                    mask=s_mask[:, None] & d_mask[None, :], other=0)
-
-
-@triton.jit
-def _dequantized(codes, scale_row_ptr, pos, stride_scale, s_mask, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
-    """rnd(f32(codes) * scale): kv_quant.dequantize_kv in registers, one rounding to DTYPE."""
-    scale = tl.load(scale_row_ptr + pos * stride_scale, mask=s_mask, other=0.0)
-    return round_to(_e4m3_to_f16(codes, EMULATE).to(tl.float32) * scale[:, None], DTYPE, EMULATE)
 
 
 @triton.jit
@@ -183,7 +160,7 @@ def _attend_tile(qT, m, l, accT, tile_start, end, offs_s, offs_d, d_mask, qk_sca
         tT = _dot(k, qT, EMULATE) * (k_scale * qk_scale)[:, None]
     else:
         if IS_FP8:
-            k = _dequantized(k, ks_row, pos, stride_kss, s_mask, DTYPE, EMULATE)
+            k = dequantized(k, ks_row, pos, stride_kss, s_mask, DTYPE, EMULATE)
         tT = _dot(k, qT, EMULATE) * qk_scale  # (BLOCK_S, BLOCK_G) base-2 logits
     tT = tl.where(s_mask[:, None], tT, float("-inf"))
     m_new = tl.maximum(m, tl.max(tT, axis=0))  # finite: every tile holds a valid position
@@ -195,7 +172,7 @@ def _attend_tile(qT, m, l, accT, tile_start, end, offs_s, offs_d, d_mask, qk_sca
         s_max = tl.max(v_scale, axis=0)
         pw = pT * (v_scale / s_max)[:, None]
         p_hi = pw.to(tl.float16)
-        vT = tl.trans(_e4m3_to_f16(v, EMULATE))
+        vT = tl.trans(e4m3_to_f16(v, EMULATE))
         if P_TERMS == 2:
             p_lo = (pw - p_hi.to(tl.float32)).to(tl.float16)
             pv = (_dot(vT, p_hi, EMULATE) + _dot(vT, p_lo, EMULATE)) * s_max
@@ -203,7 +180,7 @@ def _attend_tile(qT, m, l, accT, tile_start, end, offs_s, offs_d, d_mask, qk_sca
             pv = _dot(vT, p_hi, EMULATE) * s_max
     else:
         if IS_FP8:
-            v = _dequantized(v, vs_row, pos, stride_vss, s_mask, DTYPE, EMULATE)
+            v = dequantized(v, vs_row, pos, stride_vss, s_mask, DTYPE, EMULATE)
         vT = tl.trans(v)
         if DTYPE == tl.float32:
             pv = _dot(vT, pT, EMULATE)

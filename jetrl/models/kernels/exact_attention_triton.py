@@ -19,8 +19,16 @@ the keys from 0 in tiles of BLOCK_N, in the base-2 online softmax (t_j = s_j log
 with m starting at -1e30 (finite). A tile in which a row attends nothing leaves that row's (m, l, acc) as they
 were -- selected, not recomputed as a = 1, p = 0, so nothing rests on a tensor-core dot returning its accumulator
 bit for bit when every product is 0 -- and a training tile that runs past a row's causal limit for the sake of its
-other rows, or a decode row that walks the whole static cache, ends with the bits of a walk that stopped at the
+other rows, or a row whose mask ends before its tile does, ends with the bits of a walk that stopped at the
 limit.
+
+A KV cache (the engine's exact decode, ``exact_ops.exact_cache_attention``): ``lengths`` bounds row b's keys to
+0..lengths[b], read in the kernel, so the loop stops at the row's own end instead of walking the static cache -- the
+tiles it skips are ones in which no row attends a key, which leave every row's state as it was, so the bits are
+those of the masked walk -- and an FP8 cache's E4M3 codes and per-token-head scales are dequantized in registers by
+kv_quant.dequantize_kv's arithmetic (fp8/kernels/kv_dequant_triton.py): the values the trainer's forward attends
+over after its quantize->dequantize of K and V. Both are runtime arguments of the same binary (the loads that a
+call does not use read a stand-in), so the decode and the trainer still share one binary.
 
 Every call with one head_dim runs the same binary -- causal or masked, prefill or decode. The causal limit is a
 runtime shift, "no mask" an all-true mask read with zero strides, the sizes and the mask stay unspecialized
@@ -41,8 +49,12 @@ cache positions (which may hold NaN) never reach it; their probabilities are 0 e
 Under ``TRITON_INTERPRET=1`` (the CPU tests) the dots are taken in IEEE fp32 on exactly upcast operands
 and the roundings to the model dtype done on the bits (rounding.py), as in the decode attention kernel.
 
-Not the fastest attention: 16-row tiles re-read K/V per 16 rows (from L2), and the decode reads the
-whole static cache (its mask, not its lengths, bounds the rows). Exact mode trades that for bit-equality.
+Not the fastest attention: 16-row tiles re-read K/V per 16 rows (from L2) in training, and a decode step fills 4
+of them (G = 4). Measured on the H200 (bench/sweep_exact_tiles.py, runs CQ-CR; every candidate batch-invariant):
+64-row tiles halve the causal forward over 8 x 1152 tokens (2.8 -> 1.2 ms) but slow the B = 256 decode by 1.3x, and
+a software-pipelined for loop (branch-free loads; run CR, code not kept) sped the decode by 8% in isolation but
+slowed the forward by 1.4x and the engine's exact decode step by 10-18% (run CR against CS, another machine). The decode is what a rollout repeats, so 16 rows and
+the while loop stay.
 """
 
 from __future__ import annotations
@@ -53,6 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
+from jetrl.fp8.kernels.kv_dequant_triton import dequantized
 from jetrl.fp8.kernels.rounding import INTERPRET, round_to
 from jetrl.models.kernels import aligned_contiguous
 
@@ -73,16 +86,32 @@ def _dot(a, b, acc, EMULATE: tl.constexpr):
         return tl.dot(a, b, acc, out_dtype=tl.float32)
 
 
-# Every integer argument, and the mask's address, stay runtime values: Triton otherwise compiles a binary per value
-# class (== 1, multiple of 16) and alignment, and binaries may round differently (module docstring). q, k, v and
-# out are contiguous and 16-byte aligned in every call (the wrapper makes them so), so their loads vectorize along D.
-_UNSPECIALIZED = ("mask_ptr", "T", "S", "G", "HKV", "qk_scale", "shift", "smb", "smt", "sms")
+# Every integer argument, and the addresses of the mask, the scales and the lengths, stay runtime values: Triton
+# otherwise compiles a binary per value class (== 1, multiple of 16) and alignment, and binaries may round
+# differently (module docstring). q, k, v, the codes and out are contiguous and 16-byte aligned in every call (the
+# wrapper makes them so, or passes an aligned stand-in), so their loads vectorize along D.
+_UNSPECIALIZED = ("mask_ptr", "ks_ptr", "vs_ptr", "len_ptr", "T", "S", "G", "HKV", "qk_scale", "shift", "smb", "smt",
+                  "sms", "FP8_KV", "CACHE_LENGTHS")
+
+
+@triton.jit
+def _kv_tile(x_ptr, codes_ptr, scales_ptr, kv_row, j, d, j_ok, FP8_KV, D: tl.constexpr, DTYPE: tl.constexpr,
+             EMULATE: tl.constexpr):
+    """A (BLOCK_N, D) tile of K or V in the model dtype, 0 where ``j_ok`` is off: loaded as is, or (FP8_KV, a runtime
+    branch of the same binary) dequantized from E4M3 codes and per-token-head scales as kv_quant.dequantize_kv."""
+    offs = kv_row * D + j[:, None] * D + d[None, :]
+    if FP8_KV != 0:
+        x = dequantized(tl.load(codes_ptr + offs, mask=j_ok[:, None], other=0), scales_ptr + kv_row, j, 1, j_ok,
+                        DTYPE, EMULATE)
+    else:
+        x = tl.load(x_ptr + offs, mask=j_ok[:, None], other=0.0)
+    return x
 
 
 @triton.jit(do_not_specialize=_UNSPECIALIZED, do_not_specialize_on_alignment=_UNSPECIALIZED)
 def _exact_attention_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
-    T, S, G, HKV, qk_scale, shift, smb, smt, sms,
+    q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, len_ptr, mask_ptr, out_ptr,
+    T, S, G, HKV, qk_scale, shift, smb, smt, sms, FP8_KV, CACHE_LENGTHS,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr,
 ):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
@@ -94,17 +123,22 @@ def _exact_attention_kernel(
     d = tl.arange(0, D)
     q_rows = (b * HKV * G + h).to(tl.int64) * T + t  # q and out: (B, H, T, D) contiguous
     q = tl.load(q_ptr + q_rows[:, None] * D + d[None, :], mask=row_ok[:, None], other=0.0)
+    DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     m_i = tl.full((BLOCK_M,), -1e30, tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
-    # row r may attend key j iff j <= t + shift and mask[b, t, j]: shift = 0 is causal, shift = S no limit
-    hi = tl.minimum(tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1) + shift + 1, S)
-    kv_base = (b * HKV + kvh).to(tl.int64) * S * D  # k and v: (B, Hkv, S, D) contiguous
+    # keys [0, n_keys) exist: all S, or a KV cache row's 0..lengths[b]; the loop stops at the tile's last key
+    n_keys = S
+    if CACHE_LENGTHS != 0:
+        n_keys = tl.minimum(tl.load(len_ptr + b).to(tl.int32) + 1, S)
+    # row r may attend key j < n_keys iff j <= t + shift and mask[b, t, j]: shift = 0 is causal, shift = S no limit
+    hi = tl.minimum(tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1) + shift + 1, n_keys)
+    kv_row = (b * HKV + kvh).to(tl.int64) * S  # k, v and the codes: (B, Hkv, S, D) contiguous; scales (B, Hkv, S)
     start = 0
     while start < hi:  # a while loop: the interpreter's range() cannot take a runtime bound
         j = start + tl.arange(0, BLOCK_N)
-        j_ok = j < S
-        k = tl.load(k_ptr + kv_base + j[:, None] * D + d[None, :], mask=j_ok[:, None], other=0.0)
+        j_ok = j < n_keys
+        k = _kv_tile(k_ptr, kc_ptr, ks_ptr, kv_row, j, d, j_ok, FP8_KV, D, DTYPE, EMULATE)
         s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), EMULATE) * qk_scale
         valid = row_ok[:, None] & j_ok[None, :] & (j[None, :] <= t[:, None] + shift)
         allowed = tl.load(mask_ptr + b * smb + t[:, None] * smt + j[None, :] * sms, mask=valid, other=0)
@@ -113,7 +147,7 @@ def _exact_attention_kernel(
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        v = tl.load(v_ptr + kv_base + j[:, None] * D + d[None, :], mask=j_ok[:, None], other=0.0)
+        v = _kv_tile(v_ptr, vc_ptr, vs_ptr, kv_row, j, d, j_ok, FP8_KV, D, DTYPE, EMULATE)
         any_row = tl.max(valid.to(tl.int32), axis=0) > 0
         v = tl.where(any_row[:, None], v, tl.zeros_like(v))
         acc_new = _dot(round_to(p, v.dtype, EMULATE), v, acc * alpha[:, None], EMULATE)
@@ -124,28 +158,43 @@ def _exact_attention_kernel(
         m_i = tl.where(live, m_new, m_i)
         start += BLOCK_N
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row that may attend nothing gives 0, not NaN
-    tl.store(out_ptr + q_rows[:, None] * D + d[None, :],
-             round_to(out, out_ptr.dtype.element_ty, EMULATE), mask=row_ok[:, None])
+    tl.store(out_ptr + q_rows[:, None] * D + d[None, :], round_to(out, DTYPE, EMULATE), mask=row_ok[:, None])
 
 
 def exact_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                           causal: bool, scale: float) -> torch.Tensor:
+                           causal: bool, scale: float, *, lengths: torch.Tensor | None = None,
+                           k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale, masked) v for q (B, H, T, D), k/v (B, Hkv, S, D), H a multiple of Hkv (copied where
     not contiguous); ``mask`` a bool (B|1, 1, T, S) "may attend" tensor (any strides) or None; ``causal`` (T == S)
-    masks j > t too.
+    masks j > t too. A KV cache's rows: ``lengths`` (B,) int64, row b's keys are 0..lengths[b] (the rest of the
+    static cache is never read); with ``k_scales``/``v_scales`` (B, Hkv, S) fp32, k/v are its E4M3 codes (uint8 or
+    float8_e4m3fn), dequantized as kv_quant.dequantize_kv.
     Returns (B, H, T, D) in q's dtype. The caller validates (jetrl/models/exact_ops.py)."""
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = H // Hkv
-    q, k, v = (aligned_contiguous(x) for x in (q, k, v))
+    q = aligned_contiguous(q)
+    # one binary for every call: the arguments a call does not use get a stand-in of the same type and alignment
+    stand_in = torch.empty(16, dtype=torch.uint8, device=q.device)
+    fp8 = k_scales is not None
+    if fp8:
+        codes = tuple(aligned_contiguous(x).view(torch.uint8) for x in (k, v))
+        scales = tuple(x.contiguous() for x in (k_scales, v_scales))
+        k = v = q  # unread
+    else:
+        k, v = aligned_contiguous(k), aligned_contiguous(v)
+        codes, scales = (stand_in, stand_in), (stand_in.view(torch.float32),) * 2
+    cache_lengths = lengths is not None
+    lengths = lengths.contiguous() if cache_lengths else stand_in.view(torch.int64)
     out = torch.empty((B, H, T, D), dtype=q.dtype, device=q.device)
-    if mask is None:  # one binary for every call: no mask is an all-true one, read with zero strides
+    if mask is None:  # no mask is an all-true one, read with zero strides
         mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device)
     mask = mask.expand(mask.shape[0], 1, T, S).view(torch.uint8)
     sm = (0 if mask.shape[0] == 1 else mask.stride(0), mask.stride(2), mask.stride(3))
     grid = (triton.cdiv(T * G, TILES["BLOCK_M"]), B * Hkv)
     _exact_attention_kernel[grid](
-        q, k, v, mask, out, T, S, G, Hkv, float(scale) * LOG2E, 0 if causal else S, *sm,
+        q, k, v, *codes, *scales, lengths, mask, out, T, S, G, Hkv, float(scale) * LOG2E, 0 if causal else S, *sm,
+        int(fp8), int(cache_lengths),
         D=D, BLOCK_M=TILES["BLOCK_M"], BLOCK_N=TILES["BLOCK_N"], EMULATE=INTERPRET,
         num_warps=TILES["num_warps"], num_stages=TILES["num_stages"], enable_fp_fusion=False,
     )
