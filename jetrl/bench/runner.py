@@ -39,6 +39,7 @@ from jetrl.bench.models import free_device_memory
 from jetrl.bench.report import format_table, summarize, to_json
 from jetrl.bench.shapes import BenchConfig
 from jetrl.bench.timing import HBM_BYTES_PER_S
+from jetrl.exact import exact_requested
 
 Section = Callable[[BenchConfig, torch.device], list[dict[str, Any]]]
 SECTIONS: dict[str, tuple[str, Section]] = {
@@ -100,7 +101,8 @@ def run_bench(cfg: BenchConfig, sections: str, out_dir: str, device: torch.devic
     ``key`` alone writing ``out/bench.json``: each section then runs in its own process.
     """
     meta = environment(device, cfg, command)
-    print(f"[bench] {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | {meta['date']}", flush=True)
+    mode = " | EXACT MODE (JETRL_EXACT=1: batch-invariant kernels, not the fast ones)" if exact_requested() else ""
+    print(f"[bench] {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | {meta['date']}{mode}", flush=True)
     start = time.perf_counter()
     if child_argv is None:
         results = {key: run_section(key, cfg, device) for key in sections}
@@ -154,6 +156,7 @@ def environment(device: torch.device, cfg: BenchConfig, command: str) -> dict[st
         "switches": {k: v for k, v in sorted(os.environ.items())
                      if k.startswith("JETRL_") or k == "PYTORCH_CUDA_ALLOC_CONF"},
         "timing": "CUDA events / CUDA-graph replay" if on_cuda else "CPU perf_counter: MEANINGLESS (smoke)",
+        "exact_mode": exact_requested(),  # jetrl/exact.py: every time then is exact mode's
         "hbm_bytes_per_s_for_floors": HBM_BYTES_PER_S,
         "config": dataclasses.asdict(cfg),
     }
