@@ -29,8 +29,8 @@ replaced through a ``TorchFunctionMode`` while :func:`use_exact` is active, so t
 touched; the backward is unchanged in spirit (BF16 GEMMs for the linear layer's gradients, SDPA's
 gradient for attention), since gradients never reach a rollout.
 
-Cost (H200, docs/benchmarks.md "Exact mode", run CS): 1.6-2.2x the trainer's forward, 1.08x a training step,
-1.85-2.7x the decode step (``bf16`` least, ``jet_kv`` most) -- one tile shape is not the fastest at every shape,
+Cost (H200, docs/benchmarks.md "Exact mode", runs CS-CT): 1.6-2.2x the trainer's forward, 1.08x a training step,
+1.85-2.7x the decode step (``bf16`` least, ``jet_kv`` most), 1.6-1.9x a whole RL step of an 8B model -- one tile shape is not the fastest at every shape,
 the FP8 GEMM runs without split-K, and the decode's attention runs 16-row tiles of which a step fills 4. So exact
 mode is for measuring and for runs that want zero mismatch, and off by default. It needs an SM89+ GPU with Triton
 and the fused kernels on.
