@@ -30,10 +30,10 @@ touched; the backward is unchanged in spirit (BF16 GEMMs for the linear layer's 
 gradient for attention), since gradients never reach a rollout.
 
 Cost (H200, docs/benchmarks.md "Exact mode", runs CS-CT): 1.6-2.2x the trainer's forward, 1.08x a training step,
-1.85-2.7x the decode step (``bf16`` least, ``jet_kv`` most), 1.6-1.9x a whole RL step of an 8B model -- one tile shape is not the fastest at every shape,
-the FP8 GEMM runs without split-K, and the decode's attention runs 16-row tiles of which a step fills 4. So exact
-mode is for measuring and for runs that want zero mismatch, and off by default. It needs an SM89+ GPU with Triton
-and the fused kernels on.
+1.85-2.7x the decode step (``bf16`` least, ``jet_kv`` most), 1.6-1.9x a whole RL step of an 8B model -- one tile
+shape is not the fastest at every shape, the FP8 GEMM runs without split-K, and the decode's attention runs 16-row
+tiles of which a step fills 4. So exact mode is for measuring and for runs that want zero mismatch, and off by
+default. It needs an SM89+ GPU with Triton and the fused kernels on.
 
 Use: ``with jetrl.exact.use_exact(): ...`` around both the trainer and the engine, in the thread that runs them
 (the switch is process-wide, the interception of the two model ops per thread), ``exact: true`` in a run config,

@@ -1,8 +1,8 @@
 """Exact mode (jetrl/exact.py): its kernels against their references, and on CUDA the claim itself.
 
 CPU: the two batch-invariant kernels under TRITON_INTERPRET=1 against their fp32 references (attention:
-causal, a padding mask, GQA, the decode fold, stale NaN keys; linear: a K tail, a bias), their sm_90
-compile, and that exact mode changes nothing on CPU (the CPU is exact already).
+causal, a padding mask, GQA, the decode fold, stale NaN keys, a KV cache's lengths and FP8 codes; linear: a K
+tail, a bias), their sm_90 compile, and that exact mode changes nothing on CPU (the CPU is exact already).
 CUDA: each kernel's rows are bit-identical at every M; and the engine's logprobs equal the trainer's bit
 for bit under `bf16`, `jet` and `jet_kv`, while the off-policy `fp8kv_rollout` and `fp8_rollout` keep a gap.
 """
@@ -204,9 +204,8 @@ def test_exact_kernels_are_batch_invariant_on_gpu():
         from jetrl.fp8.kv_quant import dequantize_kv, quantize_kv
         from jetrl.models.exact_ops import exact_cache_attention
 
-        lengths = torch.tensor([0, 150, T - 1], device=dev)
-        q_step = q[torch.arange(B, device=dev), :, lengths].unsqueeze(2)  # (B, H, 1, D): row b at position lengths[b]
-        rows = torch.arange(B, device=dev)
+        lengths, rows = torch.tensor([0, 150, T - 1], device=dev), torch.arange(B, device=dev)
+        q_step = q[rows, :, lengths].unsqueeze(2)  # (B, H, 1, D): row b at position lengths[b]
         assert torch.equal(exact_cache_attention(q_step, cache_k, cache_v, lengths)[:, :, 0], full[rows, :, lengths])
         for pow2 in (True, False):
             quantized = [quantize_kv(x, pow2_scale=pow2) for x in (k, v)]

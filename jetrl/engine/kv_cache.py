@@ -49,8 +49,9 @@ K/V are written (and quantized) by one fused kernel (``kernels/kv_store_triton.p
 The CPU path never uses them: it dequantizes and runs the model's own attention, the reference the
 kernel is tested against. In exact mode (jetrl/exact.py) ``attend`` is exact mode's attention kernel instead, the
 trainer's own (``exact_cache_attention``): it too reads each row's keys ``0..lengths[s]`` only, FP8 codes and scales
-directly, with the bits of the model's attention over the dequantized cache and :meth:`decode_mask`. With the flag set a prefill's store into a model-dtype cache is one Triton
-pass too (``store_prefill_triton``: PyTorch's indexed store of a transposed K/V runs at ~0.8 TB/s).
+directly, with the bits of the model's attention over the dequantized cache and :meth:`decode_mask`. With the flag
+set a prefill's store into a model-dtype cache is one Triton pass too (``store_prefill_triton``: PyTorch's indexed
+store of a transposed K/V runs at ~0.8 TB/s).
 """
 
 from __future__ import annotations

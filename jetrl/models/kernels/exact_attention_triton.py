@@ -53,8 +53,8 @@ Not the fastest attention: 16-row tiles re-read K/V per 16 rows (from L2) in tra
 of them (G = 4). Measured on the H200 (bench/sweep_exact_tiles.py, runs CQ-CR; every candidate batch-invariant):
 64-row tiles halve the causal forward over 8 x 1152 tokens (2.8 -> 1.2 ms) but slow the B = 256 decode by 1.3x, and
 a software-pipelined for loop (branch-free loads; run CR, code not kept) sped the decode by 8% in isolation but
-slowed the forward by 1.4x and the engine's exact decode step by 10-18% (run CR against CS, another machine). The decode is what a rollout repeats, so 16 rows and
-the while loop stay.
+slowed the forward by 1.4x and the engine's exact decode step by 10-18% (run CR against CS, another machine). The
+decode is what a rollout repeats, so 16 rows and the while loop stay.
 """
 
 from __future__ import annotations
