@@ -20,12 +20,10 @@ import os
 import torch
 
 from jetrl.bench.models import free_device_memory, random_model, set_recipe
-from jetrl.bench.rollout import ab_decode_steps
+from jetrl.bench.rollout import ABBA, ab_decode_steps
 from jetrl.bench.shapes import h200_config
-from jetrl.bench.timing import time_ms
+from jetrl.bench.timing import kernel_kind, time_ms
 from jetrl.exact import use_exact
-
-ABBA = (False, True, True, False)
 
 
 def _ab(fn, dev) -> dict:
@@ -37,18 +35,10 @@ def _ab(fn, dev) -> dict:
     return {"normal_ms": normal, "exact_ms": exact, "exact_over_normal": exact / normal}
 
 
-KINDS = (("exact attention", "_exact_attention"), ("exact linear", "_exact_linear"), ("exact fp8 gemm", "_gemm_exact"),
-         ("attention", ("flash", "fmha", "attention", "cudnn")), ("fp8 gemm", ("gemm_small_m", "qqtst", "blk128",
-                                                                             "_gemm_kernel", "gluon")),
+KINDS = (("exact attention", ("_exact_attention",)), ("exact linear", ("_exact_linear",)),
+         ("exact fp8 gemm", ("_gemm_exact",)), ("attention", ("flash", "fmha", "attention", "cudnn")),
+         ("fp8 gemm", ("gemm_small_m", "qqtst", "blk128", "_gemm_kernel", "gluon")),
          ("bf16 gemm", ("gemm", "xmma", "cutlass", "nvjet", "sm90")), ("quant", ("quant",)))
-
-
-def _kind(name: str) -> str:
-    low = name.lower()
-    for kind, keys in KINDS:
-        if any(k in low for k in ((keys,) if isinstance(keys, str) else keys)):
-            return kind
-    return "other"
 
 
 def _profile(fn) -> dict:
@@ -63,7 +53,8 @@ def _profile(fn) -> dict:
     by_kind: dict[str, float] = {}
     for e in prof.key_averages():
         if e.device_type.name == "CUDA" and e.self_device_time_total > 0:
-            by_kind[_kind(e.key)] = by_kind.get(_kind(e.key), 0.0) + e.self_device_time_total / 1e3
+            kind = kernel_kind(e.key, KINDS)
+            by_kind[kind] = by_kind.get(kind, 0.0) + e.self_device_time_total / 1e3
     return {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}
 
 

@@ -15,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from jetrl.bench.models import random_model, set_recipe
 from jetrl.bench.shapes import h200_config
+from jetrl.bench.timing import kernel_kind
 from jetrl.engine import Engine
 from jetrl.fp8 import precision_phase
 
@@ -28,14 +29,6 @@ KINDS = (  # first match wins: (kind, substrings of the kernel name)
     ("rope", ("rope", "rotary")),
     ("swiglu", ("swiglu", "silu")),
 )
-
-
-def kind(name: str) -> str:
-    low = name.lower()
-    for k, keys in KINDS:
-        if any(s in low for s in keys):
-            return k
-    return "other"
 
 
 def main() -> None:
@@ -74,7 +67,7 @@ def main() -> None:
         for e in ev:
             names[e.name[:90]][0] += 1
             names[e.name[:90]][1] += e.device_time / 3
-            kinds[kind(e.name)] += e.device_time / 3 / 1e3
+            kinds[kernel_kind(e.name, KINDS)] += e.device_time / 3 / 1e3
         busy = sum(kinds.values())
         print(f"== {recipe}: {rows} x {length} tokens, {layers} layers: wall {wall:.2f} ms, GPU busy {busy:.2f} ms, "
               f"{len(ev) / 3:.0f} kernels")

@@ -157,6 +157,13 @@ def test_exact_mode_rejects_what_its_kernels_cannot_run():
     assert "enable_gqa" in _attention_problem(q, q[:, :2], q[:, :2], None, 0.0, False, False)
     assert "bool" in _attention_problem(q, q, q, torch.zeros(1, 1, 8, 8), 0.0, False, False)
     assert _attention_problem(q, q[:, :2], q[:, :2], torch.ones(1, 1, 8, 8, dtype=torch.bool), 0.0, False, True) is None
+    # exact mode's FP8 GEMM takes only a forward's 128x128 weight blocks: a 1x128 b raises instead of falling back
+    from jetrl.fp8.gemm import _gemm_exact
+    from jetrl.fp8.quant import quantize
+
+    x = torch.randn(4, 256)
+    with pytest.raises(ValueError, match="128x128 weight blocks"):
+        _gemm_exact(quantize(x), quantize(x), torch.bfloat16)
     # the decode step over a cache (exact_cache_attention)
     from jetrl.models.exact_ops import _cache_problem
 

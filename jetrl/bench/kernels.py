@@ -222,7 +222,8 @@ def _linear_rows(cfg: BenchConfig, device: torch.device, name: str, m: int, k: i
     # the three FP8 GEMMs on pre-quantized operands, against the three BF16 GEMMs
     wq = fp8.weight_cache.get(fp8.weight, recipe.train.weight)
     xq, dyq, dytq, xtq, wtq = quantize(x), quantize(dy), quantize(dy.t()), quantize(x.t()), wq.t()
-    gemms_fp8 = time_ms(lambda: (fp8_gemm(xq, wq), fp8_gemm(dyq, wtq), fp8_gemm(dytq, xtq, torch.float32)), **timer)
+    gemms_fp8 = time_ms(lambda: (fp8_gemm(xq, wq), fp8_gemm(dyq, wtq, batch_invariant=False),  # as linear.py calls
+                                 fp8_gemm(dytq, xtq, torch.float32, batch_invariant=False)), **timer)
     w = bf16.weight.detach()
     gemms_bf16 = time_ms(lambda: (x @ w.t(), dy @ w, dy.t() @ x), **timer)
     # the activation quantization a layer pays per fwd+bwd: x and dy, each in both layouts

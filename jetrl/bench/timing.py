@@ -134,3 +134,10 @@ def allocator_since(mark: dict[str, float], device: torch.device) -> dict[str, f
     return {"peak_allocated_gib": round(stats["allocated_bytes.all.peak"] / 2**30, 1),
             "peak_reserved_gib": round(stats["reserved_bytes.all.peak"] / 2**30, 1),
             "alloc_retries": stats.get("num_alloc_retries", 0) - mark.get("num_alloc_retries", 0)}
+
+
+def kernel_kind(name: str, kinds: tuple[tuple[str, tuple[str, ...]], ...]) -> str:
+    """The first ``kind`` of ``kinds`` = ((kind, substrings), ...) one of whose substrings is in the kernel name
+    (case-insensitive), else "other": how the profiling scripts in bench/ group GPU time by kernel kind."""
+    low = name.lower()
+    return next((kind for kind, keys in kinds if any(k in low for k in keys)), "other")

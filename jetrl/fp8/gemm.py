@@ -75,7 +75,7 @@ def fp8_gemm(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype = torch.bf
     emulation then accumulates in fp64 (else fp32); in exact mode on CUDA it selects the fixed-tile kernel.
     """
     _check_operands(a, b)
-    if batch_invariant and exact_active(a.codes.device) and b.block == (BLOCK, BLOCK):
+    if batch_invariant and exact_active(a.codes.device):
         return _gemm_exact(a, b, out_dtype)
     backend = resolve_backend(a.codes.device)
     m, n, k = a.shape[0], b.shape[0], a.shape[1]
@@ -100,6 +100,10 @@ def _gemm_exact(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype) -> tor
     """Exact mode's forward GEMM: the Triton kernel with ``EXACT_TILES`` at every M (module docstring)."""
     from jetrl.fp8.kernels import capability, has_triton
 
+    if b.block != (BLOCK, BLOCK):  # never a silent fallback to a per-shape kernel
+        raise ValueError(f"exact mode's FP8 GEMM takes {BLOCK}x{BLOCK} weight blocks (a forward GEMM), got {b.block}; "
+                         "quantize the weight in 128x128 blocks, pass batch_invariant=False for a gradient GEMM, or "
+                         "leave exact mode (jetrl.exact.use_exact(False))")
     if not has_triton() or capability(a.codes.device) < (8, 9):
         raise RuntimeError("exact mode's FP8 GEMM needs Triton and an SM89+ GPU (FP8 tensor cores); leave exact "
                            "mode (jetrl.exact.use_exact(False)) on this machine")
