@@ -5,8 +5,8 @@ each normal vs exact in one process, on an 8-layer random Qwen3 of Qwen3-8B's sh
   over the same cache, timed off, on, on, off), per recipe;
 * forward: the trainer's old-logprob forward (hidden states + lm_head) over 8 x 1152 tokens, no grad;
 * training step: forward + backward of the hidden states over 4 x 1152 tokens (``jet``);
-* where the exact forward's time goes: GPU time by kernel kind of one ``jet`` forward, normal and exact
-  (torch.profiler; ``PROFILE=0`` skips it).
+* where the exact time goes: GPU time by kernel kind of one ``jet`` forward, normal and exact, and of one exact
+  decode step at B = 64 (``jet``, ``jet_kv``; torch.profiler; ``PROFILE=0`` skips both).
 
 Prints one JSON line per row; writes $OUT/probe_exact_speed.json.
 
@@ -16,14 +16,16 @@ Prints one JSON line per row; writes $OUT/probe_exact_speed.json.
 import dataclasses
 import json
 import os
+from functools import partial
 
 import torch
 
 from jetrl.bench.models import free_device_memory, random_model, set_recipe
-from jetrl.bench.rollout import ABBA, ab_decode_steps
+from jetrl.bench.rollout import ABBA, _decode_state, ab_decode_steps, spread_lengths
 from jetrl.bench.shapes import h200_config
 from jetrl.bench.timing import kernel_kind, time_ms
 from jetrl.exact import use_exact
+from jetrl.fp8.recipe import precision_phase
 
 
 def _ab(fn, dev) -> dict:
@@ -69,6 +71,16 @@ def main() -> None:
                      "normal_ms": r["off_ms"], "exact_ms": r["on_ms"], "exact_over_normal": r["on_ms"] / r["off_ms"],
                      "logits_rel_diff": float((a - b).norm() / a.norm())})
         print(json.dumps(rows[-1]), flush=True)
+    if os.environ.get("PROFILE", "1") == "1":  # where the exact decode step's time goes (kernels of the graph replay)
+        for recipe in ("jet", "jet_kv"):
+            set_recipe(model, recipe)
+            with torch.no_grad(), precision_phase("rollout"), use_exact():
+                engine = _decode_state(model, 64, spread_lengths(64, cfg.decode_context), dev)
+                rows.append({"what": "exact decode step B = 64, GPU ms by kernel kind", "recipe": recipe,
+                             "layers": layers, **_profile(partial(engine.graphs, 64))})
+            print(json.dumps(rows[-1]), flush=True)
+            engine = None
+            free_device_memory()
     g = torch.Generator(device=dev).manual_seed(0)
     ids = torch.randint(0, cfg.model_config(1).vocab_size, (8, 1152), device=dev, generator=g)
     for recipe in ("bf16", "jet", "jet_kv"):

@@ -1,11 +1,11 @@
 """Exact mode's tile shapes on the H200: each candidate's batch invariance and speed, against the shipped one.
 
 Exact mode (jetrl/exact.py) runs one tile shape per kernel for every problem size; the shipped shapes
-(exact_linear_triton.TILES, fp8/gemm.EXACT_TILES, exact_attention_triton.TILES) were chosen for bit-equality, not
-speed, and cost 2.5x the trainer's forward (bench/probe_exact_speed.py). A candidate qualifies only if a row's bits
-do not depend on M (rows of 1, 7, 64 and 256-row calls equal the same rows of a 9216-row call; attention: a decode
-step over a cache equals the causal forward's row). For each it then times Qwen3-8B's shapes at the trainer's M
-(8 x 1152 tokens) and at decode sizes (M = 64, 256), CUDA events, median.
+(exact_linear_triton.TILES, gemm_exact_triton.TILES, exact_attention_triton.TILES) are part of the arithmetic. A
+candidate qualifies only if a row's bits do not depend on M (rows of 1, 7, 64 and 256-row calls equal the same rows
+of a 9216-row call; a GEMM's K runs as separate programs equal them in one program; attention: a decode step over a
+cache equals the causal forward's row). For each it then times Qwen3-8B's shapes at the trainer's M (8 x 1152
+tokens, CUDA events, median) and a layer's four GEMMs at decode sizes (M = 64, 256) under CUDA-graph replay.
 
     PYTHONPATH=. OUT=$OUT python3 bench/sweep_exact_tiles.py
 """
@@ -15,10 +15,11 @@ import os
 
 import torch
 
-import jetrl.fp8.gemm as fp8_gemm_module
-from jetrl.bench.timing import time_ms
+from jetrl.bench.timing import graph_time_us, time_ms
 from jetrl.exact import use_exact
 from jetrl.fp8.gemm import fp8_gemm
+from jetrl.fp8.kernels import gemm_exact_triton
+from jetrl.fp8.kv_quant import quantize_kv
 from jetrl.fp8.quant import quantize
 from jetrl.models.exact_ops import exact_cache_attention
 from jetrl.models.kernels import exact_attention_triton, exact_linear_triton
@@ -26,17 +27,15 @@ from jetrl.models.kernels import exact_attention_triton, exact_linear_triton
 DEV, BF = torch.device("cuda"), torch.bfloat16
 BIG, SMALL = 9216, (1, 7, 64, 256)
 LAYER = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-LINEAR = [  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); the first is the shipped one (64 x 128 before run CQ)
-    (128, 128, 64, 4, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
-    (64, 256, 64, 4, 3)]
-# (BLOCK_M, BLOCK_N, split_k, num_warps, num_stages); the first is the shipped one. The eager times at M = 64 and 256
-# are nearly the same for every layer (0.19-0.26 ms for 16 to 100 MB of weights, run CQ): a fixed cost per call, not
-# the kernel's bytes (likely the host's launch work, which the engine's CUDA graph does not pay; not profiled), so
-# only the 9216-row times compare kernels
-FP8 = [(64, 128, 1, 4, 3), (128, 128, 1, 8, 3), (128, 128, 1, 8, 4), (64, 256, 1, 4, 3), (128, 256, 1, 8, 3),
-       (128, 128, 1, 4, 3)]
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); run CR also timed a software-pipelined variant, whose code is not kept
-ATTENTION = [(16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2), (64, 128, 4, 2), (128, 64, 8, 2)]
+# (BLOCK_M, BLOCK_N, BLOCK_K, SPLITS, num_warps, num_stages); the first is the shipped one. SPLITS = 1 is the kernel
+# before run CU (no K runs; 128 x 128 / 4 warps spills once it keeps a second accumulator)
+LINEAR = [(128, 128, 64, 4, 8, 4), (128, 128, 64, 4, 8, 3), (128, 128, 64, 1, 4, 3)]
+# (BLOCK_M, BLOCK_N, SPLITS, num_warps, num_stages); the first is the shipped one, the last the kernel before run CU
+FP8 = [(64, 128, 4, 4, 3), (64, 128, 4, 4, 4), (64, 128, 4, 8, 4), (64, 128, 1, 4, 3)]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); the first is the shipped one. Run CR also timed a software-pipelined
+# variant, run CW keys merged in chunks of 128-512 at fixed positions, a program per chunk in a decode step (code not
+# kept: docs/benchmarks.md, "Exact mode")
+ATTENTION = [(16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2)]
 
 
 def _invariant(f, x) -> bool:
@@ -48,24 +47,42 @@ def _ms(fn) -> float:
     return round(time_ms(fn, DEV, iters=5, warmup=2), 4)
 
 
+def _layer_us(gemm, weights: dict, x: torch.Tensor, m: int) -> float:
+    """The four GEMMs of one layer at ``m`` rows, in order, under CUDA-graph replay (a decode step's; their weights,
+    192 MB in FP8, do not stay in L2 from one replay to the next), µs per layer."""
+    inputs = {name: x[:m, :w_k].contiguous() for name, w_k in ((n, k) for n, (_, k) in LAYER.items())}
+
+    def layer():
+        for name in LAYER:
+            gemm(inputs[name], weights[name])
+
+    return round(graph_time_us(layer, DEV, calls=5, replays=10), 1)
+
+
 def sweep_linear(rows: list) -> None:
     x = torch.randn(BIG, 12288, device=DEV, dtype=BF)
     weights = {name: torch.randn(n, k, device=DEV, dtype=BF) * 0.02 for name, (n, k) in LAYER.items()}
     weights["lm_head"] = torch.randn(151936, 4096, device=DEV, dtype=BF) * 0.02
     for cfg in LINEAR:
-        exact_linear_triton.TILES.update(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), cfg))
+        exact_linear_triton.TILES.update(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLITS", "num_warps", "num_stages"),
+                                             cfg))
         row = {"kernel": "exact linear", "tiles": cfg}
         try:
+            def f(a, w):
+                return exact_linear_triton.exact_linear_triton(a, w, None)
+
             for name, w in weights.items():
                 xk = x[:, :w.shape[1]].contiguous()
-
-                def f(a, w=w):
-                    return exact_linear_triton.exact_linear_triton(a, w, None)
-
-                if name in ("o", "lm_head"):
-                    row[f"{name} invariant"] = _invariant(f, xk)
-                for m in (64, 256, BIG):
-                    row[f"{name} M={m} ms"] = _ms(lambda m=m, f=f, xk=xk: f(xk[:m]))
+                if name in ("o", "down", "lm_head"):
+                    row[f"{name} invariant"] = _invariant(lambda a, w=w: f(a, w), xk)
+                    row[f"{name} runs as programs = in one"] = torch.equal(
+                        exact_linear_triton.exact_linear_triton(xk[:64], w, None, programs_k=1),
+                        exact_linear_triton.exact_linear_triton(xk[:64], w, None))
+                row[f"{name} M={BIG} ms"] = _ms(lambda f=f, xk=xk, w=w: f(xk, w))
+            for m in (64, 256):
+                row[f"layer M={m} graph us"] = _layer_us(f, weights, x, m)
+                row[f"lm_head M={m} graph us"] = round(graph_time_us(
+                    lambda m=m: f(x[:m, :4096], weights["lm_head"]), DEV, calls=2, replays=10), 1)
         except Exception as e:  # noqa: BLE001 -- a tile that does not compile or fit: record it, go on
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
@@ -74,22 +91,31 @@ def sweep_linear(rows: list) -> None:
 
 def sweep_fp8(rows: list) -> None:
     x = torch.randn(BIG, 12288, device=DEV, dtype=BF)
+    weights = {name: quantize(torch.randn(n, k, device=DEV, dtype=BF) * 0.02, (128, 128))
+               for name, (n, k) in LAYER.items()}
+    codes = {m: {name: quantize(x[:m, :k].contiguous()) for name, (_, k) in LAYER.items()} for m in (64, 256, BIG)}
     for cfg in FP8:
-        fp8_gemm_module.EXACT_TILES = cfg
+        gemm_exact_triton.TILES.update(zip(("BLOCK_M", "BLOCK_N", "SPLITS", "num_warps", "num_stages"), cfg))
         row = {"kernel": "exact fp8 gemm", "tiles": cfg}
         try:
             with use_exact():
                 for name, (n, k) in LAYER.items():
-                    wq = quantize(torch.randn(n, k, device=DEV, dtype=BF) * 0.02, (128, 128))
+                    wq = weights[name]
 
                     def f(a, wq=wq):
                         return fp8_gemm(quantize(a), wq)
 
                     if name in ("o", "down"):
                         row[f"{name} invariant"] = _invariant(f, x[:, :k].contiguous())
-                    for m in (64, 256, BIG):
-                        sub = quantize(x[:m, :k].contiguous())
-                        row[f"{name} M={m} ms"] = _ms(lambda sub=sub, wq=wq: fp8_gemm(sub, wq))
+                        a = codes[64][name]
+                        row[f"{name} runs as programs = in one"] = torch.equal(
+                            gemm_exact_triton.gemm_exact(a.codes, a.scales, wq.codes, wq.scales, programs_k=1),
+                            fp8_gemm(a, wq))
+                    row[f"{name} M={BIG} ms"] = _ms(lambda name=name, wq=wq: fp8_gemm(codes[BIG][name], wq))
+                for m in (64, 256):
+                    row[f"layer M={m} graph us"] = round(graph_time_us(
+                        lambda m=m: [fp8_gemm(codes[m][name], weights[name]) for name in LAYER], DEV, calls=5,
+                        replays=10), 1)
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
@@ -99,11 +125,15 @@ def sweep_fp8(rows: list) -> None:
 def sweep_attention(rows: list) -> None:
     B, H, Hkv, T, D = 8, 32, 8, 1152, 128
     q, k, v = (torch.randn(B, h, T, D, device=DEV, dtype=BF) for h in (H, Hkv, Hkv))
-    # decode: 256 rows over a static cache of 1152, lengths 128..1151 (mean ~640)
-    Bd, S = 256, 1152
-    qd = torch.randn(Bd, H, 1, D, device=DEV, dtype=BF)
-    kc, vc = (torch.randn(Bd, Hkv, S, D, device=DEV, dtype=BF) for _ in range(2))
-    lengths = torch.linspace(128, S - 1, Bd, device=DEV).long()
+    # decode: B rows over a static cache of 1152, lengths 128..1151 (mean ~640); a BF16 cache and an FP8 one
+    S = 1152
+    cache = {}
+    for Bd in (64, 256):
+        kc, vc = (torch.randn(Bd, Hkv, S, D, device=DEV, dtype=BF) for _ in range(2))
+        fp8 = [quantize_kv(x) for x in (kc, vc)]
+        cache[Bd] = (torch.randn(Bd, H, 1, D, device=DEV, dtype=BF), kc, vc,
+                     [x.codes.view(Bd, Hkv, S, D) for x in fp8], [x.scales.view(Bd, Hkv, S) for x in fp8],
+                     torch.linspace(128, S - 1, Bd, device=DEV).long())
     rows_b = torch.arange(B, device=DEV)
     for cfg in ATTENTION:
         exact_attention_triton.TILES.update(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), cfg))
@@ -112,11 +142,14 @@ def sweep_attention(rows: list) -> None:
             with use_exact():
                 full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
                 pos = torch.tensor([0, 63, 64, 500, 700, 1000, 1100, T - 1], device=DEV)
-                step = exact_cache_attention(q[rows_b, :, pos].unsqueeze(2), k, v, pos)[:, :, 0]
-                row["invariant"] = bool(torch.equal(step, full[rows_b, :, pos]))
+                q_step = q[rows_b, :, pos].unsqueeze(2)
+                row["invariant"] = torch.equal(exact_cache_attention(q_step, k, v, pos)[:, :, 0], full[rows_b, :, pos])
                 row["train 8x1152 causal ms"] = _ms(lambda: torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, is_causal=True, enable_gqa=True))
-                row["decode B=256 ctx~640 ms"] = _ms(lambda: exact_cache_attention(qd, kc, vc, lengths))
+                for Bd, (qd, kc, vc, codes, scales, lengths) in cache.items():
+                    for kind, call in (("bf16", (qd, kc, vc, lengths)), ("fp8", (qd, *codes, lengths, *scales))):
+                        row[f"decode B={Bd} {kind} cache graph us"] = round(graph_time_us(
+                            lambda call=call: exact_cache_attention(*call), DEV, calls=4, replays=10), 1)
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)

@@ -23,7 +23,8 @@ import triton.language as tl
 from jetrl.bench.kernels import _in_turn
 from jetrl.bench.timing import graph_time_us
 from jetrl.fp8.gemm import _scaled_mm, gemm_emulated
-from jetrl.fp8.kernels.gemm_triton import _store_tile, _tile_counters, gemm_small_m
+from jetrl.fp8.kernels.gemm_triton import gemm_small_m
+from jetrl.fp8.kernels.split_k import store_tile, tile_counters
 from jetrl.fp8.quant import quantize
 
 
@@ -57,7 +58,7 @@ def _gemm_swap_kernel(
     tile_id = pid_m * tl.num_programs(0) + pid_n
     out = out_ptr + rows[:, None] * stride_om + cols[None, :]
     work = work_ptr + rows[:, None] * N + cols[None, :]
-    _store_tile(tl.trans(acc), out, work, row_ok[:, None] & col_ok[None, :], count_ptr + tile_id, pid_k, M * N,
+    store_tile(tl.trans(acc), out, work, row_ok[:, None] & col_ok[None, :], count_ptr + tile_id, pid_k, M * N,
                 SPLIT_K)
 
 
@@ -71,7 +72,7 @@ def swap(xq, wq, cfg, out_dtype=torch.bfloat16):
     gps = triton.cdiv(triton.cdiv(k, 128), sk)
     out = torch.empty(m, n, dtype=out_dtype, device="cuda")
     work = torch.empty(sk, m, n, device="cuda") if sk > 1 else out
-    cnt = _tile_counters(out.device)
+    cnt = tile_counters(out.device)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), sk)
     _gemm_swap_kernel[grid](xq.codes, xq.scales, wq.codes, wq.scales, out, work, cnt, m, n, k, xq.codes.stride(0),
                             wq.codes.stride(0), xq.scales.stride(0), xq.scales.stride(1), wq.scales.stride(0),

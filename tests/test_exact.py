@@ -36,6 +36,31 @@ def close(a, b, tol):
 x, w, b = torch.randn(70, 200, dtype=bf), torch.randn(130, 200, dtype=bf) * 0.1, torch.randn(130, dtype=bf)
 close(exact_linear_triton(x, w, b), exact_linear_reference(x, w, b), 0.07)
 close(exact_linear_triton(x, w, None), exact_linear_reference(x, w), 0.07)
+# the K runs (split_k.merge_splits): a tile's runs as separate programs or in one program, the same bits; a row of
+# a small call equals the same row of a big one
+x, w, b = torch.randn(70, 600, dtype=bf), torch.randn(130, 600, dtype=bf) * 0.1, torch.randn(130, dtype=bf)  # runs of 3, 3, 3, 1 steps
+one = exact_linear_triton(x, w, b, programs_k=1)
+close(one, exact_linear_reference(x, w, b), 0.07)
+assert torch.equal(exact_linear_triton(x, w, b, programs_k=4), one)
+assert torch.equal(exact_linear_triton(x[:3], w, b, programs_k=4), one[:3])
+# exact mode's FP8 GEMM: the same two claims, and the emulated spec
+from jetrl.fp8.gemm import gemm_emulated
+from jetrl.fp8.kernels.gemm_exact_triton import gemm_exact
+from jetrl.fp8.quant import quantize
+for k, splits in ((1280, 4), (384, 3)):  # 10 groups: runs of 3, 3, 3, 1; 3 groups: 3 runs of 1
+    x, wq = torch.randn(70, k), quantize(torch.randn(200, k) * 0.05, (128, 128))
+    for col_major in (False, True):
+        a, a3 = quantize(x, col_major_scales=col_major), quantize(x[:3], col_major_scales=col_major)
+        one = gemm_exact(a.codes, a.scales, wq.codes, wq.scales, torch.float32, programs_k=1)
+        ref = gemm_emulated(a, wq, torch.float32)
+        assert float((one - ref).norm() / ref.norm()) < 1e-5
+        assert torch.equal(gemm_exact(a.codes, a.scales, wq.codes, wq.scales, torch.float32, programs_k=splits), one)
+        assert torch.equal(gemm_exact(a3.codes, a3.scales, wq.codes, wq.scales, torch.float32, programs_k=splits), one[:3])
+try:
+    gemm_exact(a.codes, a.scales, wq.codes, wq.scales, torch.float32, programs_k=2)
+    raise AssertionError("programs_k=2 accepted")
+except ValueError as e:
+    assert "1 or this layer's 3 K splits" in str(e), e
 
 # attention: causal training shape with GQA (H = 4, Hkv = 2), T not a tile multiple
 q, k, v = torch.randn(2, 4, 37, 32, dtype=bf), torch.randn(2, 2, 37, 32, dtype=bf), torch.randn(2, 2, 37, 32, dtype=bf)
@@ -102,8 +127,16 @@ def test_exact_kernels_compile_for_sm90():
                      {**bf, "mask_ptr": "*u8", "kc_ptr": "*u8", "vc_ptr": "*u8", "len_ptr": "*i64"},
                      floats=("qk_scale",), num_warps=ATT["num_warps"])
     compile_for_sm90(_exact_linear_kernel, {"HAS_BIAS": True, "BLOCK_M": LIN["BLOCK_M"], "BLOCK_N": LIN["BLOCK_N"],
-                                            "BLOCK_K": LIN["BLOCK_K"], "N": 4096, "K": 4096, "K_TILES": 64, "EMULATE": False}, bf,
-                     num_warps=LIN["num_warps"], num_stages=LIN["num_stages"])
+                                            "BLOCK_K": LIN["BLOCK_K"], "N": 4096, "K": 4096, "SPLITS": 4,
+                                            "STEPS_PER_SPLIT": 16, "EMULATE": False}, {**bf, "count_ptr": "*i32"},
+                     floats=("zero",), num_warps=LIN["num_warps"], num_stages=LIN["num_stages"])
+    from jetrl.fp8.kernels.gemm_exact_triton import TILES as FP8
+    from jetrl.fp8.kernels.gemm_exact_triton import _gemm_exact_kernel
+
+    compile_for_sm90(_gemm_exact_kernel, {"SPLITS": 4, "GROUPS_PER_SPLIT": 8, "BLOCK_M": FP8["BLOCK_M"],
+                                          "BLOCK_N": FP8["BLOCK_N"]},
+                     {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "out_ptr": "*bf16", "count_ptr": "*i32"},
+                     num_warps=FP8["num_warps"], num_stages=FP8["num_stages"])
 
 
 def test_exact_mode_switch_and_cpu_passthrough():
@@ -190,6 +223,21 @@ def test_exact_kernels_are_batch_invariant_on_gpu():
         big = torch.nn.functional.linear(x, w)
         for m in (1, 7, 64, 256):
             assert torch.equal(torch.nn.functional.linear(x[:m], w), big[:m]), m
+        # a GEMM's K runs as separate programs or in one (split_k.merge_splits), also with one step per run (K = 256,
+        # where a literal-zero accumulator let the compiler fold the run's dot into the running total)
+        from jetrl.fp8.kernels.gemm_exact_triton import gemm_exact
+        from jetrl.models.kernels.exact_linear_triton import exact_linear_triton
+
+        for k in (256, 512, 4096):
+            xk, wk = torch.randn(16, k, device=dev, dtype=bf), torch.randn(512, k, device=dev, dtype=bf) * 0.05
+            assert torch.equal(exact_linear_triton(xk, wk, None, programs_k=4), exact_linear_triton(xk, wk, None, 1)), k
+            a, wq = quantize(xk), quantize(wk, (128, 128))
+            splits = min(4, k // 128)
+            assert torch.equal(gemm_exact(a.codes, a.scales, wq.codes, wq.scales, programs_k=splits),
+                               gemm_exact(a.codes, a.scales, wq.codes, wq.scales, programs_k=1)), k
+        from jetrl.fp8.kernels.split_k import _counters
+
+        assert int(_counters[torch.device(dev, torch.cuda.current_device())].abs().sum()) == 0  # left at 0
         wq = quantize(w, (128, 128))
         big = fp8_gemm(quantize(x), wq)
         for m in (1, 16, 64, 256):

@@ -143,7 +143,8 @@ def test_scaled_mm_agrees_with_emulation(m, n, k, b_block, col_major):
 def test_small_m_split_k_gemm_is_deterministic_and_leaves_counters_zero():
     """The in-kernel split-K reduction: bitwise the same result on every call (new inputs each time,
     a NaN-poisoned allocator so a stale partial would show), close to the spec, counters back at 0."""
-    from jetrl.fp8.kernels.gemm_triton import SmallMConfig, _counters, gemm_small_m
+    from jetrl.fp8.kernels.gemm_triton import SmallMConfig, gemm_small_m
+    from jetrl.fp8.kernels.split_k import _counters
 
     torch.manual_seed(0)
     for m, n, k, split in [(1, 4096, 4096, 4), (16, 6144, 4096, 8), (64, 4096, 12288, 8)]:

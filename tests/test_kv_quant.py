@@ -324,3 +324,15 @@ def test_static_cache_stores_fp8_through_byte_views():
     cache.fork(torch.tensor([2]), torch.tensor([1]), 4)
     assert torch.equal(_bits(cache.k[0, 1, :, :4]), _bits(cache.k[0, 2, :, :4]))
     assert torch.equal(cache.k_scale[0, 1, :, :4], cache.k_scale[0, 2, :, :4]) and cache.lengths[1] == 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_quantize_kv_of_more_than_65535_row_tiles_on_gpu():
+    """2.2M token-heads (e.g. 64 sequences x 8 kv heads x 4.3K tokens) fit in the quantizer's grid: its row tiles no
+    longer sit on a grid axis capped at 65535 (the launch failed with 'invalid argument'); the last rows are the
+    reference's bit for bit."""
+    pytest.importorskip("triton")
+    x = torch.randn(2_200_000, 128, device="cuda", dtype=torch.bfloat16)
+    q = quantize_kv(x)
+    codes, scales = quantize_reference(x[-1000:], 1, 128, False)
+    assert torch.equal(_bits(q.codes[-1000:]), _bits(codes)) and torch.equal(_bits(q.scales[-1000:]), _bits(scales))

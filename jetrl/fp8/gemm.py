@@ -32,9 +32,9 @@ overridable (``override_backend``, or the ``JETRL_GEMM_BACKEND`` environment var
   FP8 ``wgmma`` groups in flight per consumer warpgroup) for GEMMs whose output tiles fit in one
   wave of the GPU's SMs, where cuBLAS's 128 x 128 tiles leave SMs idle. K a multiple of 256.
 
-Exact mode (jetrl/exact.py) overrides all of them for forward GEMMs on CUDA: the Triton kernel with one
-tile shape for every M (``EXACT_TILES``, no split-K) and one binary (M unspecialized), so a row's sum runs in the
-same order in a decode step and in the trainer's forward. Gradient GEMMs (``batch_invariant=False``) keep the per-shape choice.
+Exact mode (jetrl/exact.py) overrides all of them for forward GEMMs on CUDA: one Triton kernel with one
+tile shape and one K split per layer for every M, and one binary (kernels/gemm_exact_triton.py), so a row's sum runs
+in the same order in a decode step and in the trainer's forward. Gradient GEMMs (``batch_invariant=False``) keep the per-shape choice.
 
 Per-shape dispatch on SM90 (:func:`choose_backend`) is a fixed rule of the shape -- never a
 timing taken at run time -- so a given shape always runs the same kernel with the same
@@ -97,7 +97,7 @@ def fp8_gemm(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype = torch.bf
 
 
 def _gemm_exact(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype) -> torch.Tensor:
-    """Exact mode's forward GEMM: the Triton kernel with ``EXACT_TILES`` at every M (module docstring)."""
+    """Exact mode's forward GEMM: the batch-invariant kernel at every M (module docstring)."""
     from jetrl.fp8.kernels import capability, has_triton
 
     if b.block != (BLOCK, BLOCK):  # never a silent fallback to a per-shape kernel
@@ -107,15 +107,9 @@ def _gemm_exact(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype) -> tor
     if not has_triton() or capability(a.codes.device) < (8, 9):
         raise RuntimeError("exact mode's FP8 GEMM needs Triton and an SM89+ GPU (FP8 tensor cores); leave exact "
                            "mode (jetrl.exact.use_exact(False)) on this machine")
-    from jetrl.fp8.kernels.gemm_triton import SmallMConfig, gemm_small_m
+    from jetrl.fp8.kernels.gemm_exact_triton import gemm_exact
 
-    tiles = SmallMConfig(*EXACT_TILES)
-    return gemm_small_m(a.codes, a.scales, b.codes, b.scales, out_dtype, tiles, one_binary=True)
-
-
-# exact mode's FP8 GEMM tiles: (BLOCK_M, BLOCK_N, split_k, num_warps, num_stages), one shape for every M: part of
-# the arithmetic, never tuned per shape
-EXACT_TILES = (64, 128, 1, 4, 3)
+    return gemm_exact(a.codes, a.scales, b.codes, b.scales, out_dtype)
 
 
 def choose_backend(m: int, b_block: tuple[int, int] = (BLOCK, BLOCK), n: int | None = None,

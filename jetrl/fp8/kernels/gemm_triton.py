@@ -16,7 +16,7 @@ Each program owns a (BLOCK_M, BLOCK_N) output tile and the K-groups
 ``[pid_k * G, (pid_k + 1) * G)``; per group it runs one FP8 tensor-core dot (exact products,
 fp32 accumulation), scales the partial sum and adds it to an fp32 accumulator. With
 ``split_k > 1`` the programs write fp32 partial sums to a (split_k, M, N) workspace and the
-last split to finish a tile (an atomic arrival counter) sums the partials in split order and
+last split to finish a tile (an atomic arrival counter, split_k.py) sums the partials in split order and
 writes the output: one launch, and no atomic *accumulation*, so the result is deterministic
 run to run. The counters are one fixed buffer per device that the kernel resets itself (no
 memset per call, CUDA-graph safe); split-K calls must therefore not overlap on two streams. The
@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from jetrl.fp8.kernels.split_k import MAX_TILES, store_tile, tile_counters
 
 
 @dataclass(frozen=True)
@@ -82,68 +84,17 @@ def _gemm_small_m_kernel(
     tile_id = pid_m * tl.num_programs(0) + pid_n
     out = out_ptr + rows[:, None] * stride_om + cols[None, :]
     work = work_ptr + rows[:, None] * N + cols[None, :]
-    _store_tile(acc, out, work, row_ok[:, None] & col_ok[None, :], count_ptr + tile_id, pid_k, M * N, SPLIT_K)
-
-
-@triton.jit
-def _store_tile(acc, out, work, tile_mask, count_ptr, pid_k, tile_elems, SPLIT_K: tl.constexpr):
-    """Write a program's fp32 tile ``acc`` to ``out`` (pointers of the tile), or with ``SPLIT_K > 1`` sum
-    the splits' partial tiles deterministically: every split writes its partial to ``work + pid_k *
-    tile_elems`` and bumps the tile's counter; the split that arrives last sums the SPLIT_K partials in
-    index order, writes the output and resets the counter to 0 for the next call (so CUDA-graph replays
-    need no memset). The barriers make the whole CTA's partial stores precede the (acq_rel) bump, and the
-    bump precede every thread's reads of the other partials (read past L1: .cg)."""
-    if SPLIT_K == 1:
-        tl.store(out, acc.to(out.dtype.element_ty), mask=tile_mask)
-    else:
-        tl.store(work + pid_k * tile_elems, acc, mask=tile_mask)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-        tl.debug_barrier()
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros_like(acc)
-            for s in range(SPLIT_K):
-                total += tl.load(work + s * tile_elems, mask=tile_mask, other=0.0, cache_modifier=".cg")
-            tl.store(out, total.to(out.dtype.element_ty), mask=tile_mask)
-            tl.atomic_xchg(count_ptr, 0)
-
-
-# Exact mode (jetrl/exact.py, fp8/gemm.py): the same kernel with M and the activation scales' strides (M-sized when
-# the scales are column-major) left unspecialized, so one binary serves every M -- Triton otherwise compiles one per
-# value class (== 1, a multiple of 16), and binaries may round differently (models/kernels/exact_attention_triton.py)
-_gemm_exact_kernel = triton.jit(do_not_specialize=("M", "stride_sam", "stride_sak"))(_gemm_small_m_kernel.fn)
-
-MAX_TILES = 65536  # counters per device: M <= 64 rows in 16-row tiles x N up to 262144 in 64-wide tiles
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _tile_counters(device: torch.device) -> torch.Tensor:
-    """The device's zeroed int32 arrival counters, one per output tile, kept zero by the kernel itself.
-
-    One fixed buffer per device, allocated on the first split-K call and never replaced (captured
-    CUDA graphs keep pointing at it). It is shared by all calls, so split-K GEMMs must not run
-    concurrently on two streams of one device (jetrl runs its GEMMs on one stream).
-    """
-    buf = _counters.get(device)
-    if buf is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "gemm_small_m: the split-K counters are allocated on the first call, which must not be "
-                "inside CUDA-graph capture; run the GEMM once (a warm-up) before capturing"
-            )
-        buf = _counters[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return buf
+    store_tile(acc, out, work, row_ok[:, None] & col_ok[None, :], count_ptr + tile_id, pid_k, M * N, SPLIT_K)
 
 
 def gemm_small_m(
     a_codes: torch.Tensor, a_scales: torch.Tensor, b_codes: torch.Tensor, b_scales: torch.Tensor,
-    out_dtype: torch.dtype = torch.bfloat16, config: SmallMConfig | None = None, one_binary: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16, config: SmallMConfig | None = None,
 ) -> torch.Tensor:
     """out[M, N] = deq(a) @ deq(b)^T for a (M, K) 1x128 and b (N, K) 128x128 (row-major codes).
 
     One launch (the split-K sum is done in-kernel by the last split of each tile); the
     counters are allocated on the first call, so run once before capturing a CUDA graph.
-    ``one_binary``: the kernel compiled once for every M (exact mode).
     """
     m, k = a_codes.shape
     n = b_codes.shape[0]
@@ -159,10 +110,10 @@ def gemm_small_m(
         groups_per_split, grid = triton.cdiv(k, 128), (grid[0], grid[1], 1)
     if cfg.split_k > 1:
         work = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=a_codes.device)
-        counters = _tile_counters(a_codes.device)
+        counters = tile_counters(a_codes.device)
     else:
         work = counters = out  # unused
-    (_gemm_exact_kernel if one_binary else _gemm_small_m_kernel)[grid](
+    _gemm_small_m_kernel[grid](
         a_codes, a_scales, b_codes, b_scales, out, work, counters,
         m, n, k, a_codes.stride(0), b_codes.stride(0), a_scales.stride(0), a_scales.stride(1), b_scales.stride(0),
         out.stride(0),

@@ -146,7 +146,11 @@ def _quantize_kernel(
     EXPLICIT_ROUND: tl.constexpr, RELEASE: tl.constexpr = False,
 ):
     release(RELEASE and GROUP_ROWS == 1)  # an activation's groups, never a weight's blocks (pdl.py)
-    pid_c, pid_r = tl.program_id(0), tl.program_id(1)  # column groups vary fastest: sequential reads
+    # a 1-D grid (a second grid axis holds at most 65535 row tiles: 2.1M rows of 128-wide KV groups), column groups
+    # varying fastest: sequential reads
+    col_groups = tl.cdiv(C, GROUP_COLS)
+    pid = tl.program_id(0)
+    pid_c, pid_r = pid % col_groups, pid // col_groups
     rows = pid_r.to(tl.int64) * TILE_R + tl.arange(0, TILE_R)  # int64: offsets of >= 2^31 elements
     cols = pid_c * GROUP_COLS + tl.arange(0, GROUP_COLS)
     mask = (rows[:, None] < R) & (cols[None, :] < C)
@@ -276,7 +280,7 @@ def quantize_triton(
                              dtype=torch.float32, device=x.device)
         scales = scales.t() if col_major_scales else scales
     tile_r = 128 if br == 128 else (tile_rows or max(32, 4096 // bc))
-    grid = (num_col_groups, triton.cdiv(rows, tile_r))
+    grid = (num_col_groups * triton.cdiv(rows, tile_r),)
     _quantize_kernel[grid](
         x, codes.view(torch.uint8), scales, rows, cols, x.stride(0), x.stride(1), scales.stride(0), scales.stride(1),
         GROUP_ROWS=br, GROUP_COLS=bc, TILE_R=tile_r, POW2=pow2_scale, EXPLICIT_ROUND=explicit_round(),
