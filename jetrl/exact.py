@@ -13,9 +13,12 @@ arithmetic applied to that row only, which is fixed per kernel.
 What it changes, on CUDA (on the CPU: fp32 ``F.linear`` -- the lm_head, BF16 recipes' projections -- accumulates
 in fp64 like the FP8 emulation, and the last item):
 
-* FP8 forward GEMMs: one Triton kernel with one tile shape for every M (fp8/gemm.py, ``EXACT_TILES``);
+* FP8 forward GEMMs: one Triton kernel with one tile shape and one cut of K into runs per layer, for every M
+  (fp8/kernels/gemm_exact_triton.py);
 * ``F.linear`` in high precision (the lm_head in every recipe, the BF16 recipes' projections, the BF16
-  sibling stacks): a Triton GEMM with one tile shape (models/kernels/exact_linear_triton.py);
+  sibling stacks): a Triton GEMM built the same way (models/kernels/exact_linear_triton.py). In both, a decode
+  step's narrow layers run each K run as its own program and add the runs in order at the end, the trainer's
+  thousands of rows one program per tile adding them in registers: the same additions (fp8/kernels/split_k.py);
 * ``F.scaled_dot_product_attention`` (the trainer's forward, the prefill) and the decode's attention over the
   KV cache (instead of the fused decode kernel; an FP8 cache's codes and scales read directly): one Triton kernel
   with one tile shape and one binary (models/kernels/exact_attention_triton.py);
@@ -29,11 +32,11 @@ replaced through a ``TorchFunctionMode`` while :func:`use_exact` is active, so t
 touched; the backward is unchanged in spirit (BF16 GEMMs for the linear layer's gradients, SDPA's
 gradient for attention), since gradients never reach a rollout.
 
-Cost (H200, docs/benchmarks.md "Exact mode", runs CS-CT): 1.6-2.2x the trainer's forward, 1.08x a training step,
-1.85-2.7x the decode step (``bf16`` least, ``jet_kv`` most), 1.6-1.9x a whole RL step of an 8B model -- one tile
-shape is not the fastest at every shape, the FP8 GEMM runs without split-K, and the decode's attention runs 16-row
-tiles of which a step fills 4. So exact mode is for measuring and for runs that want zero mismatch, and off by
-default. It needs an SM89+ GPU with Triton and the fused kernels on.
+Cost (H200, docs/benchmarks.md "Exact mode", runs CY-CZ): 1.85-2.4x the trainer's forward, 1.2-1.3x a training step,
+1.5-1.9x the decode step at 64 rows and 1.9-2.8x at 256 (``bf16`` least, ``jet_kv`` most), 1.5-1.7x a whole RL step
+of an 8B model -- one tile shape is not the fastest at every shape, and the decode's attention runs 16-row tiles of
+which a step fills 4, bound by its per-tile work rather than the cache's bytes. So exact mode is for measuring and
+for runs that want zero mismatch, and off by default. It needs an SM89+ GPU with Triton and the fused kernels on.
 
 Use: ``with jetrl.exact.use_exact(): ...`` around both the trainer and the engine, in the thread that runs them
 (the switch is process-wide, the interception of the two model ops per thread), ``exact: true`` in a run config,
