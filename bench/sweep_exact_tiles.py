@@ -19,6 +19,7 @@ from jetrl.bench.timing import graph_time_us, time_ms
 from jetrl.exact import use_exact
 from jetrl.fp8.gemm import fp8_gemm
 from jetrl.fp8.kernels import gemm_exact_triton
+from jetrl.fp8.kernels.split_k import k_splits
 from jetrl.fp8.kv_quant import quantize_kv
 from jetrl.fp8.quant import quantize
 from jetrl.models.exact_ops import exact_cache_attention
@@ -29,9 +30,9 @@ BIG, SMALL = 9216, (1, 7, 64, 256)
 LAYER = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 # (BLOCK_M, BLOCK_N, BLOCK_K, SPLITS, num_warps, num_stages); the first is the shipped one. SPLITS = 1 is the kernel
 # before run CU (no K runs; 128 x 128 / 4 warps spills once it keeps a second accumulator)
-LINEAR = [(128, 128, 64, 4, 8, 4), (128, 128, 64, 4, 8, 3), (128, 128, 64, 1, 4, 3)]
+LINEAR = [(128, 128, 64, 4, 8, 4), (128, 128, 64, 4, 8, 3), (64, 128, 64, 4, 4, 3), (128, 128, 64, 1, 4, 3)]
 # (BLOCK_M, BLOCK_N, SPLITS, num_warps, num_stages); the first is the shipped one, the last the kernel before run CU
-FP8 = [(64, 128, 4, 4, 3), (64, 128, 4, 4, 4), (64, 128, 4, 8, 4), (64, 128, 1, 4, 3)]
+FP8 = [(64, 128, 4, 4, 3), (64, 128, 4, 8, 3), (64, 64, 4, 4, 3), (64, 128, 4, 8, 4), (64, 128, 1, 4, 3)]
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first is the shipped one. Run CR also timed a software-pipelined
 # variant, run CW keys merged in chunks of 128-512 at fixed positions, a program per chunk in a decode step (code not
 # kept: docs/benchmarks.md, "Exact mode")
@@ -75,9 +76,10 @@ def sweep_linear(rows: list) -> None:
                 xk = x[:, :w.shape[1]].contiguous()
                 if name in ("o", "down", "lm_head"):
                     row[f"{name} invariant"] = _invariant(lambda a, w=w: f(a, w), xk)
+                    splits = k_splits(-(-w.shape[1] // cfg[2]), cfg[3])[0]  # asked for: the default may not split
                     row[f"{name} runs as programs = in one"] = torch.equal(
                         exact_linear_triton.exact_linear_triton(xk[:64], w, None, programs_k=1),
-                        exact_linear_triton.exact_linear_triton(xk[:64], w, None))
+                        exact_linear_triton.exact_linear_triton(xk[:64], w, None, programs_k=splits))
                 row[f"{name} M={BIG} ms"] = _ms(lambda f=f, xk=xk, w=w: f(xk, w))
             for m in (64, 256):
                 row[f"layer M={m} graph us"] = _layer_us(f, weights, x, m)
@@ -108,9 +110,10 @@ def sweep_fp8(rows: list) -> None:
                     if name in ("o", "down"):
                         row[f"{name} invariant"] = _invariant(f, x[:, :k].contiguous())
                         a = codes[64][name]
+                        splits = k_splits(-(-k // 128), cfg[2])[0]  # asked for: the default may not split
                         row[f"{name} runs as programs = in one"] = torch.equal(
                             gemm_exact_triton.gemm_exact(a.codes, a.scales, wq.codes, wq.scales, programs_k=1),
-                            fp8_gemm(a, wq))
+                            gemm_exact_triton.gemm_exact(a.codes, a.scales, wq.codes, wq.scales, programs_k=splits))
                     row[f"{name} M={BIG} ms"] = _ms(lambda name=name, wq=wq: fp8_gemm(codes[BIG][name], wq))
                 for m in (64, 256):
                     row[f"layer M={m} graph us"] = round(graph_time_us(

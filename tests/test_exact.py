@@ -209,6 +209,19 @@ def test_exact_mode_rejects_what_its_kernels_cannot_run():
     assert _cache_problem(qd, codes, codes, lengths.long(), scales, scales) is None
 
 
+def test_exact_gemms_k_runs_and_split_limits():
+    """The K runs are a function of K alone (K = 0: one empty run); a split whose workspace would pass the kernels'
+    32-bit offsets, or a program count other than 1 or the layer's runs, raises instead of launching."""
+    pytest.importorskip("triton")
+    from jetrl.fp8.kernels.split_k import k_splits, split_buffers
+
+    assert k_splits(96, 4) == (4, 24) and k_splits(10, 4) == (4, 3) and k_splits(3, 4) == (3, 1) and k_splits(0, 4) == (1, 1)
+    with pytest.raises(ValueError, match="fewer than 2\\*\\*31"):
+        split_buffers(16, 4, 2**20, 2**10, torch.device("cpu"), programs_k=4)
+    with pytest.raises(ValueError, match="1 or this layer's 4 K splits"):
+        split_buffers(16, 4, 64, 512, torch.device("cpu"), programs_k=2)
+
+
 # ----------------------------------------------------------------------------- on the GPU
 @requires_sm90
 def test_exact_kernels_are_batch_invariant_on_gpu():

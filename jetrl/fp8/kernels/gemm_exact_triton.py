@@ -11,7 +11,8 @@ each run summed from zero, the runs summed in order::
     out[r, c] = rnd(0 + acc_0 + acc_1 + ... + acc_{S-1})
 
 Every dot is one FP8 tensor-core product of a 128-group into a fresh fp32 tile, on a fixed (BLOCK_M, BLOCK_N)
-tile (``TILES``), so nothing in a row's sum depends on M.
+tile (``TILES``), so nothing in a row's sum depends on M. (The compiler may contract a group's scale-and-add into an
+FMA: one binary serves every call, so it does so alike in all of them.)
 
 Who computes it: where the output tiles would fill at most half the SMs (a decode step's qkv, o and down at up to
 64 rows: 32-48 tiles of 64 x 128), each tile gets ``S`` programs, one per run, and the last to finish adds the

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_TILES = 65536  # counters per device: M <= 64 rows in 16-row tiles x N up to 262144 in 64-wide tiles
+MAX_TILES = 65536  # counters per device, shared by every split-K kernel: the most output tiles a split call may have
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
@@ -109,7 +109,9 @@ def merge_splits(part, work, tile_mask, count_ptr, pid_k, tile_elems, programs_k
 def k_splits(k_steps: int, splits: int) -> tuple[int, int]:
     """(splits, steps per split) for a K walk of ``k_steps`` steps cut into at most ``splits`` runs of equal length
     (the last may be short): a function of the layer's K only, so part of its arithmetic."""
-    n = max(1, min(splits, k_steps))
+    if k_steps <= 0:  # K = 0: one empty run (the output is 0, plus a bias)
+        return 1, 1
+    n = min(splits, k_steps)
     per = triton.cdiv(k_steps, n)
     return triton.cdiv(k_steps, per), per
 
@@ -118,7 +120,7 @@ def programs_per_tile(tiles: int, splits: int, device: torch.device) -> int:
     """1 or ``splits``: split a GEMM's K across programs where its output tiles would fill at most half the SMs (a
     decode step's narrow layers), else one program per tile. Either gives the same bits (:func:`merge_splits`), so
     this is a speed rule only; it needs a counter per tile."""
-    if splits == 1 or device.type != "cuda" or 2 * tiles > _sm_count(device) or tiles > MAX_TILES:
+    if splits == 1 or device.type != "cuda" or 2 * tiles > _sm_count(device):
         return 1
     return splits
 
@@ -131,9 +133,10 @@ def split_buffers(tiles: int, splits: int, m: int, n: int, device: torch.device,
     signature, hence its binary, is the same. The counters are allocated on the first call, outside graph capture."""
     if programs_k is None:
         programs_k = programs_per_tile(tiles, splits, device)
-    if programs_k not in (1, splits) or (programs_k > 1 and tiles > MAX_TILES):
+    if programs_k not in (1, splits) or (programs_k > 1 and (tiles > MAX_TILES or programs_k * m * n >= 2**31)):
         raise ValueError(f"programs_k must be 1 or this layer's {splits} K splits (the latter for at most {MAX_TILES} "
-                         f"output tiles), got {programs_k} for {tiles} tiles")
+                         f"output tiles and a workspace of fewer than 2**31 elements: the kernels' offsets are 32-bit), "
+                         f"got {programs_k} for {tiles} tiles of an ({m}, {n}) output")
     work = torch.empty((programs_k, m, n) if programs_k > 1 else (1,), dtype=torch.float32, device=device)
     return programs_k, work, tile_counters(device)
 
