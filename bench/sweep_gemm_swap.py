@@ -59,7 +59,7 @@ def _gemm_swap_kernel(
     out = out_ptr + rows[:, None] * stride_om + cols[None, :]
     work = work_ptr + rows[:, None] * N + cols[None, :]
     store_tile(tl.trans(acc), out, work, row_ok[:, None] & col_ok[None, :], count_ptr + tile_id, pid_k, M * N,
-                SPLIT_K)
+               SPLIT_K)
 
 
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)]
