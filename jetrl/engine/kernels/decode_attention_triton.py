@@ -102,6 +102,7 @@ import triton
 import triton.language as tl
 
 from jetrl.engine.decode_attention import quantize_output
+from jetrl.fp8.kernels import sm_count
 from jetrl.fp8.kernels.kv_dequant_triton import dequantized, e4m3_to_f16
 from jetrl.fp8.kernels.pdl import release, release_rows
 from jetrl.fp8.kernels.quant_triton import explicit_round, quantize_rows
@@ -338,7 +339,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_len: int, block_s: int,
 
 
 def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else DEFAULT_NUM_SMS
+    return sm_count(device) if device.type == "cuda" else DEFAULT_NUM_SMS
 
 
 def decode_attention_triton(

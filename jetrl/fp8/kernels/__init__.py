@@ -25,6 +25,16 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def sm_count(device: torch.device) -> int:
+    """The CUDA device's number of SMs, looked up once per device (launch rules size grids by it)."""
+    return _sm_count(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 @cache
 def has_triton() -> bool:
     """True if Triton can be imported (it is not required on CPU)."""

@@ -50,6 +50,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from jetrl.fp8.kernels import pdl as _pdl
+from jetrl.fp8.kernels import sm_count
 from jetrl.fp8.kernels.gluon_tiles import GROUP, GluonConfig, operand_problem
 
 _G = gl.constexpr(GROUP)  # the same inside kernels
@@ -197,10 +198,6 @@ def _gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, out_ptr, M, N, K, stride_sam, s
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def descriptors(a_codes: torch.Tensor, b_codes: torch.Tensor, cfg: GluonConfig) -> tuple:
     """TMA descriptors of the (M, K) activation and (N, K) weight codes, one group of K per box."""
     def desc(t, rows):
@@ -233,7 +230,7 @@ def gemm_mid_m(a_codes: torch.Tensor, a_scales: torch.Tensor, b_codes: torch.Ten
     a_desc, b_desc = descriptors(a_codes, b_codes, cfg)
     out = torch.empty((m, n), dtype=out_dtype, device=a_codes.device)
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
-    grid = (min(tiles, _sm_count(a_codes.device)),)
+    grid = (min(tiles, sm_count(a_codes.device)),)
     unroll = cfg.unroll if k % (cfg.unroll * GROUP) == 0 else 2
     if pdl is None:  # the rule by which the kernel writing its input releases early
         pdl = _pdl.release_rows(a_codes.device, m)

@@ -27,11 +27,11 @@ Two forms:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from jetrl.fp8.kernels import sm_count
 
 MAX_TILES = 65536  # counters per device, shared by every split-K kernel: the most output tiles a split call may have
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -120,7 +120,7 @@ def programs_per_tile(tiles: int, splits: int, device: torch.device) -> int:
     """1 or ``splits``: split a GEMM's K across programs where its output tiles would fill at most half the SMs (a
     decode step's narrow layers), else one program per tile. Either gives the same bits (:func:`merge_splits`), so
     this is a speed rule only; it needs a counter per tile."""
-    if splits == 1 or device.type != "cuda" or 2 * tiles > _sm_count(device):
+    if splits == 1 or device.type != "cuda" or 2 * tiles > sm_count(device):
         return 1
     return splits
 
@@ -139,12 +139,3 @@ def split_buffers(tiles: int, splits: int, m: int, n: int, device: torch.device,
                          f"got {programs_k} for {tiles} tiles of an ({m}, {n}) output")
     work = torch.empty((programs_k, m, n) if programs_k > 1 else (1,), dtype=torch.float32, device=device)
     return programs_k, work, tile_counters(device)
-
-
-def _sm_count(device: torch.device) -> int:
-    return _sm_count_of(torch.cuda.current_device() if device.index is None else device.index)
-
-
-@functools.cache
-def _sm_count_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -39,12 +39,11 @@ where the compiler contracts its fp32 multiply-adds differently from PyTorch's C
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 import triton
 import triton.language as tl
 
+from jetrl.fp8.kernels import sm_count
 from jetrl.fp8.kernels.rounding import INTERPRET, round_to, rounded
 from jetrl.models.kernels.fused_triton import _TL_DTYPES, row_grid, silu_rounded
 
@@ -53,11 +52,10 @@ RMS_NORM_BACKWARD_MAX_COLS = 8192  # one row per block in registers; wider rows 
 _PROGRAMS_PER_SM = 16  # RMSNorm backward: programs, each owning one fp32 partial row of grad_w (H200 sweep: 8-32)
 
 
-@cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 2  # the interpreter: few programs, so each loops over several row blocks
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return sm_count(device)
 
 
 @triton.jit
