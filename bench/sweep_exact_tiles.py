@@ -12,6 +12,7 @@ tokens, CUDA events, median) and a layer's four GEMMs at decode sizes (M = 64, 2
 
 import json
 import os
+from functools import partial
 
 import torch
 
@@ -35,8 +36,10 @@ LINEAR = [(128, 128, 64, 4, 8, 4), (128, 128, 64, 4, 8, 3), (64, 128, 64, 4, 4, 
 FP8 = [(64, 128, 4, 4, 3), (64, 128, 4, 8, 3), (64, 64, 4, 4, 3), (64, 128, 4, 8, 4), (64, 128, 1, 4, 3)]
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first is the shipped one. Run CR also timed a software-pipelined
 # variant, run CW keys merged in chunks of 128-512 at fixed positions, a program per chunk in a decode step (code not
-# kept: docs/benchmarks.md, "Exact mode")
-ATTENTION = [(16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2)]
+# kept: docs/benchmarks.md, "Exact mode"); the shipped tiles also time a mask-free decode through an all-true mask,
+# the kernel's work before "no mask" became a runtime flag
+ATTENTION = [(16, 64, 2, 2), (16, 64, 4, 2), (16, 64, 1, 2), (16, 32, 2, 2), (16, 32, 1, 2), (16, 128, 2, 2),
+             (16, 128, 4, 2), (32, 64, 2, 2)]
 
 
 def _invariant(f, x) -> bool:
@@ -147,12 +150,21 @@ def sweep_attention(rows: list) -> None:
                 pos = torch.tensor([0, 63, 64, 500, 700, 1000, 1100, T - 1], device=DEV)
                 q_step = q[rows_b, :, pos].unsqueeze(2)
                 row["invariant"] = torch.equal(exact_cache_attention(q_step, k, v, pos)[:, :, 0], full[rows_b, :, pos])
+                tril = torch.ones(T, T, dtype=torch.bool, device=DEV).tril()[None, None]
+                row["masked = causal"] = torch.equal(exact_attention_triton.exact_attention_triton(
+                    q, k, v, tril, False, D ** -0.5), full)
                 row["train 8x1152 causal ms"] = _ms(lambda: torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, is_causal=True, enable_gqa=True))
                 for Bd, (qd, kc, vc, codes, scales, lengths) in cache.items():
                     for kind, call in (("bf16", (qd, kc, vc, lengths)), ("fp8", (qd, *codes, lengths, *scales))):
                         row[f"decode B={Bd} {kind} cache graph us"] = round(graph_time_us(
                             lambda call=call: exact_cache_attention(*call), DEV, calls=4, replays=10), 1)
+                    if cfg == ATTENTION[0]:  # the mask-free decode through an all-true mask (the kernel before)
+                        ones = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=DEV)
+                        masked = partial(exact_attention_triton.exact_attention_triton, qd, *codes, ones, False,
+                                         D ** -0.5, lengths=lengths, k_scales=scales[0], v_scales=scales[1])
+                        row[f"decode B={Bd} fp8 cache, all-true mask, graph us"] = round(graph_time_us(
+                            masked, DEV, calls=4, replays=10), 1)
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)

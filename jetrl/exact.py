@@ -32,11 +32,12 @@ replaced through a ``TorchFunctionMode`` while :func:`use_exact` is active, so t
 touched; the backward is unchanged in spirit (BF16 GEMMs for the linear layer's gradients, SDPA's
 gradient for attention), since gradients never reach a rollout.
 
-Cost (H200, docs/benchmarks.md "Exact mode", runs CY-CZ): 1.85-2.4x the trainer's forward, 1.2-1.3x a training step,
-1.5-1.9x the decode step at 64 rows and 1.9-2.8x at 256 (``bf16`` least, ``jet_kv`` most), 1.5-1.7x a whole RL step
-of an 8B model -- one tile shape is not the fastest at every shape, and the decode's attention runs 16-row tiles of
-which a step fills 4, bound by its per-tile work rather than the cache's bytes. So exact mode is for measuring and
-for runs that want zero mismatch, and off by default. It needs an SM89+ GPU with Triton and the fused kernels on.
+Cost (H200, docs/benchmarks.md "Exact mode", runs DF-DG): 1.7-2.2x the trainer's forward, ~1.05x its forward +
+backward, 1.3-1.6x the decode step at 64 rows and 1.5-2.1x at 256 (``bf16`` least, ``jet_kv`` most), 1.3-1.5x a
+whole RL step of an 8B model -- one tile shape is not the fastest at every shape, and the decode's attention runs
+16-row tiles of which a step fills 4, bound by each row's chain of per-tile instructions rather than the cache's bytes.
+So exact mode is for measuring and for runs that want zero mismatch, and off by default. It needs an SM89+ GPU with
+Triton and the fused kernels on.
 
 Use: ``with jetrl.exact.use_exact(): ...`` around both the trainer and the engine, in the thread that runs them
 (the switch is process-wide, the interception of the two model ops per thread), ``exact: true`` in a run config,

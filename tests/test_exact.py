@@ -66,6 +66,14 @@ except ValueError as e:
 q, k, v = torch.randn(2, 4, 37, 32, dtype=bf), torch.randn(2, 2, 37, 32, dtype=bf), torch.randn(2, 2, 37, 32, dtype=bf)
 ref = exact_attention_reference(q, k, v, causal=True)
 close(exact_attention_triton(q, k, v, None, True, 32 ** -0.5), ref, 0.03)
+# long enough for full key tiles (every key attended by every row of the tile: the kernel skips the masking there):
+# a decode over the cache up to t (the kernel's own length bound) equals the causal row t bit for bit
+ql, kl, vl = torch.randn(1, 2, 150, 32, dtype=bf), torch.randn(1, 1, 150, 32, dtype=bf), torch.randn(1, 1, 150, 32, dtype=bf)
+full = exact_attention_triton(ql, kl, vl, None, True, 32 ** -0.5)
+close(full, exact_attention_reference(ql, kl, vl, causal=True), 0.03)
+for t in (0, 63, 64, 70, 127, 128, 149):
+    step = exact_attention_triton(ql[:, :, t:t + 1], kl, vl, None, False, 32 ** -0.5, lengths=torch.tensor([t]))
+    assert torch.equal(step, full[:, :, t:t + 1]), t
 # the same through a padding-style bool mask (B, 1, T, S) with the diagonal always allowed
 mask = torch.ones(2, 1, 37, 37, dtype=torch.bool).tril()
 mask[1, :, :, :5] = False

@@ -31,7 +31,9 @@ over after its quantize->dequantize of K and V. Both are runtime arguments of th
 call does not use read a stand-in), so the decode and the trainer still share one binary.
 
 Every call with one head_dim runs the same binary -- causal or masked, prefill or decode. The causal limit is a
-runtime shift, "no mask" an all-true mask read with zero strides, the sizes and the mask stay unspecialized
+runtime shift, "no mask" a runtime flag (a mask's tile is loaded and reduced to the rows and keys that attend
+anything; without one those two sets have a closed form, and only booleans differ), the sizes and the mask stay
+unspecialized
 (Triton otherwise compiles a binary per argument value class, == 1 or a multiple of 16, and per alignment), and
 q/k/v/out are contiguous and 16-byte aligned in every call (the wrapper copies where they are not), so their
 addresses specialize alike and their loads vectorize along D. The kernel is compiled without FMA contraction
@@ -50,11 +52,17 @@ Under ``TRITON_INTERPRET=1`` (the CPU tests) the dots are taken in IEEE fp32 on 
 and the roundings to the model dtype done on the bits (rounding.py), as in the decode attention kernel.
 
 Not the fastest attention: 16-row tiles re-read K/V per 16 rows (from L2) in training, and a decode step fills 4
-of them (G = 4). Measured on the H200 (bench/sweep_exact_tiles.py, runs CQ-CR; every candidate batch-invariant):
-64-row tiles halve the causal forward over 8 x 1152 tokens (2.8 -> 1.2 ms) but slow the B = 256 decode by 1.3x, and
-a software-pipelined for loop (branch-free loads; run CR, code not kept) sped the decode by 8% in isolation but
-slowed the forward by 1.4x and the engine's exact decode step by 10-18% (run CR against CS, another machine). The
-decode is what a rollout repeats, so 16 rows and the while loop stay.
+of them (G = 4). A decode is bound by each program's chain of per-tile instructions (a (batch, kv head) pair walks
+its keys alone), so a tile's work is kept small: a *full* tile (every key exists and every real row may attend it,
+no mask: all of a decode's walk but its last tile, a causal walk below the diagonal) skips the masking and the
+selection by a runtime branch (605 SASS instructions per warp and BF16 tile against 1041 for a partial one; an FP8
+cache adds ~640 for the dequantization), and two warps split a tile's keys (one warp holds a 64-key tile's
+registers poorly, four pay for their cross-warp reductions). Measured on the H200 (bench/sweep_exact_tiles.py, runs
+DE-DF; µs under CUDA graphs, B = 64 / 256 rows of mean context 640, FP8 cache): the kernel before these two changes
+113 / 352, with them 74 / 210; 4 warps 86 / 274, 1 warp 133 / 274, 32-key tiles with 2 warps 91 / 253; the causal
+forward over 8 x 1152 tokens 1.48 ms (64-row tiles 1.2 ms, but 1.3x slower decodes: runs CQ-CR). A
+software-pipelined for loop (run CR, code not kept) sped the decode by 8% in isolation but slowed the forward by 1.4x
+and the engine's exact decode step by 10-18%; keys merged in chunks at fixed positions (runs CW-CX) were not faster.
 """
 
 from __future__ import annotations
@@ -69,7 +77,7 @@ from jetrl.fp8.kernels.kv_dequant_triton import dequantized
 from jetrl.fp8.kernels.rounding import INTERPRET, round_to
 from jetrl.models.kernels import aligned_contiguous
 
-TILES = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}  # fixed: part of the arithmetic
+TILES = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 2, "num_stages": 2}  # fixed: part of the arithmetic
 LOG2E = math.log2(math.e)
 
 
@@ -91,7 +99,7 @@ def _dot(a, b, acc, EMULATE: tl.constexpr):
 # differently (module docstring). q, k, v, the codes and out are contiguous and 16-byte aligned in every call (the
 # wrapper makes them so, or passes an aligned stand-in), so their loads vectorize along D.
 _UNSPECIALIZED = ("mask_ptr", "ks_ptr", "vs_ptr", "len_ptr", "T", "S", "G", "HKV", "qk_scale", "shift", "smb", "smt",
-                  "sms", "FP8_KV", "CACHE_LENGTHS")
+                  "sms", "FP8_KV", "CACHE_LENGTHS", "HAS_MASK")
 
 
 @triton.jit
@@ -111,7 +119,7 @@ def _kv_tile(x_ptr, codes_ptr, scales_ptr, kv_row, j, d, j_ok, FP8_KV, D: tl.con
 @triton.jit(do_not_specialize=_UNSPECIALIZED, do_not_specialize_on_alignment=_UNSPECIALIZED)
 def _exact_attention_kernel(
     q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, len_ptr, mask_ptr, out_ptr,
-    T, S, G, HKV, qk_scale, shift, smb, smt, sms, FP8_KV, CACHE_LENGTHS,
+    T, S, G, HKV, qk_scale, shift, smb, smt, sms, FP8_KV, CACHE_LENGTHS, HAS_MASK,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EMULATE: tl.constexpr,
 ):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
@@ -132,30 +140,48 @@ def _exact_attention_kernel(
     if CACHE_LENGTHS != 0:
         n_keys = tl.minimum(tl.load(len_ptr + b).to(tl.int32) + 1, S)
     # row r may attend key j < n_keys iff j <= t + shift and mask[b, t, j]: shift = 0 is causal, shift = S no limit
-    hi = tl.minimum(tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1) + shift + 1, n_keys)
+    t_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1)  # the tile's last position
+    hi = tl.minimum(t_last + shift + 1, n_keys)
     kv_row = (b * HKV + kvh).to(tl.int64) * S  # k, v and the codes: (B, Hkv, S, D) contiguous; scales (B, Hkv, S)
+    t_first = (pid_m * BLOCK_M) // G  # the tile's first position
     start = 0
     while start < hi:  # a while loop: the interpreter's range() cannot take a runtime bound
         j = start + tl.arange(0, BLOCK_N)
         j_ok = j < n_keys
         k = _kv_tile(k_ptr, kc_ptr, ks_ptr, kv_row, j, d, j_ok, FP8_KV, D, DTYPE, EMULATE)
         s = _dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), EMULATE) * qk_scale
-        valid = row_ok[:, None] & j_ok[None, :] & (j[None, :] <= t[:, None] + shift)
-        allowed = tl.load(mask_ptr + b * smb + t[:, None] * smt + j[None, :] * sms, mask=valid, other=0)
-        valid = valid & (allowed != 0)
-        s = tl.where(valid, s, float("-inf"))
+        # A partial tile has a key that some real row may not attend (past the row's end, its causal limit, or
+        # masked). A full one -- every tile of a decode's walk but its last, every causal tile below the
+        # diagonal -- skips the masking and the selection: for a real row they would leave every value as it is
+        # (its padding rows compute on q = 0 and are never stored). A runtime branch: one binary, the same bits.
+        partial = (HAS_MASK != 0) | (start + BLOCK_N > n_keys) | (start + BLOCK_N - 1 > t_first + shift)
+        live = row_ok  # rows with a key in this tile
+        any_row = j_ok  # keys some row attends
+        if partial:
+            valid = row_ok[:, None] & j_ok[None, :] & (j[None, :] <= t[:, None] + shift)
+            if HAS_MASK != 0:
+                allowed = tl.load(mask_ptr + b * smb + t[:, None] * smt + j[None, :] * sms, mask=valid, other=0)
+                valid = valid & (allowed != 0)
+                live = tl.max(valid.to(tl.int32), axis=1) > 0
+                any_row = tl.max(valid.to(tl.int32), axis=0) > 0
+            else:  # the same two sets in closed form (start < n_keys in the loop): no reduction, no mask load
+                live = row_ok & (start <= t + shift)
+                any_row = j_ok & (j <= t_last + shift)
+            s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         v = _kv_tile(v_ptr, vc_ptr, vs_ptr, kv_row, j, d, j_ok, FP8_KV, D, DTYPE, EMULATE)
-        any_row = tl.max(valid.to(tl.int32), axis=0) > 0
-        v = tl.where(any_row[:, None], v, tl.zeros_like(v))
+        if partial:
+            v = tl.where(any_row[:, None], v, tl.zeros_like(v))
         acc_new = _dot(round_to(p, v.dtype, EMULATE), v, acc * alpha[:, None], EMULATE)
-        # a row with no key in this tile keeps its state bit for bit: selected, not recomputed (module docstring)
-        live = tl.max(valid.to(tl.int32), axis=1) > 0
-        acc = tl.where(live[:, None], acc_new, acc)
-        l_i = tl.where(live, l_i * alpha + tl.sum(p, axis=1), l_i)
-        m_i = tl.where(live, m_new, m_i)
+        l_new = l_i * alpha + tl.sum(p, axis=1)
+        if partial:  # a row with no key in this tile keeps its state bit for bit: selected, not recomputed
+            acc = tl.where(live[:, None], acc_new, acc)
+            l_i = tl.where(live, l_new, l_i)
+            m_i = tl.where(live, m_new, m_i)
+        else:
+            acc, l_i, m_i = acc_new, l_new, m_new
         start += BLOCK_N
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row that may attend nothing gives 0, not NaN
     tl.store(out_ptr + q_rows[:, None] * D + d[None, :], round_to(out, DTYPE, EMULATE), mask=row_ok[:, None])
@@ -187,14 +213,16 @@ def exact_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     cache_lengths = lengths is not None
     lengths = lengths.contiguous() if cache_lengths else stand_in.view(torch.int64)
     out = torch.empty((B, H, T, D), dtype=q.dtype, device=q.device)
-    if mask is None:  # no mask is an all-true one, read with zero strides
-        mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device)
-    mask = mask.expand(mask.shape[0], 1, T, S).view(torch.uint8)
-    sm = (0 if mask.shape[0] == 1 else mask.stride(0), mask.stride(2), mask.stride(3))
+    has_mask = mask is not None
+    if has_mask:
+        mask = mask.expand(mask.shape[0], 1, T, S).view(torch.uint8)
+        sm = (0 if mask.shape[0] == 1 else mask.stride(0), mask.stride(2), mask.stride(3))
+    else:  # unread: a stand-in of the mask's type
+        mask, sm = stand_in, (0, 0, 0)
     grid = (triton.cdiv(T * G, TILES["BLOCK_M"]), B * Hkv)
     _exact_attention_kernel[grid](
         q, k, v, *codes, *scales, lengths, mask, out, T, S, G, Hkv, float(scale) * LOG2E, 0 if causal else S, *sm,
-        int(fp8), int(cache_lengths),
+        int(fp8), int(cache_lengths), int(has_mask),
         D=D, BLOCK_M=TILES["BLOCK_M"], BLOCK_N=TILES["BLOCK_N"], EMULATE=INTERPRET,
         num_warps=TILES["num_warps"], num_stages=TILES["num_stages"], enable_fp_fusion=False,
     )
