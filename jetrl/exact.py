@@ -13,11 +13,13 @@ arithmetic applied to that row only, which is fixed per kernel.
 What it changes, on CUDA (on the CPU: fp32 ``F.linear`` -- the lm_head, BF16 recipes' projections -- accumulates
 in fp64 like the FP8 emulation, and the last item):
 
-* FP8 forward GEMMs: one Triton kernel with one tile shape and one cut of K into runs per layer, for every M
-  (fp8/kernels/gemm_exact_triton.py);
+* FP8 forward GEMMs: on Hopper, for a layer whose K is a multiple of 256, the Gluon kernel of the fast path, whose
+  bits do not depend on its tiles (measured at every M and tile: fp8/gemm.py ``_gemm_exact``), at the fastest tile
+  per shape; for any other layer or GPU one Triton kernel with one tile shape and one cut of K into runs per layer,
+  for every M (fp8/kernels/gemm_exact_triton.py). The choice is the layer's, never M's;
 * ``F.linear`` in high precision (the lm_head in every recipe, the BF16 recipes' projections, the BF16
-  sibling stacks): a Triton GEMM built the same way (models/kernels/exact_linear_triton.py). In both, a decode
-  step's narrow layers run each K run as its own program and add the runs in order at the end, the trainer's
+  sibling stacks): a Triton GEMM built as the Triton FP8 one (models/kernels/exact_linear_triton.py). In both, a
+  decode step's narrow layers run each K run as its own program and add the runs in order at the end, the trainer's
   thousands of rows one program per tile adding them in registers: the same additions (fp8/kernels/split_k.py);
 * ``F.scaled_dot_product_attention`` (the trainer's forward, the prefill) and the decode's attention over the
   KV cache (instead of the fused decode kernel; an FP8 cache's codes and scales read directly): one Triton kernel
@@ -32,10 +34,10 @@ replaced through a ``TorchFunctionMode`` while :func:`use_exact` is active, so t
 touched; the backward is unchanged in spirit (BF16 GEMMs for the linear layer's gradients, SDPA's
 gradient for attention), since gradients never reach a rollout.
 
-Cost (H200, docs/benchmarks.md "Exact mode", runs DF-DG): 1.7-2.2x the trainer's forward, ~1.05x its forward +
-backward, 1.3-1.6x the decode step at 64 rows and 1.5-2.1x at 256 (``bf16`` least, ``jet_kv`` most), 1.3-1.5x a
-whole RL step of an 8B model -- one tile shape is not the fastest at every shape, and the decode's attention runs
-16-row tiles of which a step fills 4, bound by each row's chain of per-tile instructions rather than the cache's bytes.
+Cost (H200, docs/benchmarks.md "Exact mode", run DI): 1.6-1.7x the trainer's forward, 1.1-1.3x the decode step at
+64 rows and 1.4-1.7x at 256, 1.15-1.34x a whole RL step of an 8B model (``jet`` least, ``bf16`` most) -- the decode's
+attention runs 16-row tiles of which a step fills 4, bound by each row's chain of per-tile instructions rather than
+the cache's bytes, and the BF16 linear layer (the lm_head) is a fixed-tile Triton GEMM.
 So exact mode is for measuring and for runs that want zero mismatch, and off by default. It needs an SM89+ GPU with
 Triton and the fused kernels on.
 

@@ -217,6 +217,22 @@ def test_exact_mode_rejects_what_its_kernels_cannot_run():
     assert _cache_problem(qd, codes, codes, lengths.long(), scales, scales) is None
 
 
+def test_exact_fp8_gemm_kernel_is_chosen_by_the_layer(monkeypatch):
+    """Exact mode's FP8 GEMM takes the Gluon kernel for a layer with K a multiple of 256 and weight codes TMA can
+    read, on an SM90 GPU with Gluon: a property of the weight, never of M (on any other machine, the Triton one)."""
+    from jetrl.fp8 import gemm as gemm_module
+    from jetrl.fp8.quant import quantize
+
+    w = quantize(torch.randn(256, 512), (128, 128))
+    assert not gemm_module._exact_takes_gluon(w)  # a CPU tensor
+    monkeypatch.setattr(gemm_module, "_is_sm90", lambda device: True)
+    monkeypatch.setattr(gemm_module, "has_gluon", lambda: True)
+    assert gemm_module._exact_takes_gluon(w)
+    assert not gemm_module._exact_takes_gluon(quantize(torch.randn(256, 384), (128, 128)))  # K % 256
+    strided = type(w)(w.codes[:, ::2], w.scales[:, :2], w.block)  # column stride 2: no TMA descriptor
+    assert not gemm_module._exact_takes_gluon(strided)
+
+
 def test_exact_gemms_k_runs_and_split_limits():
     """The K runs are a function of K alone (K = 0: one empty run); a split whose workspace would pass the kernels'
     32-bit offsets, or a program count other than 1 or the layer's runs, raises instead of launching."""
@@ -259,10 +275,20 @@ def test_exact_kernels_are_batch_invariant_on_gpu():
         from jetrl.fp8.kernels.split_k import _counters
 
         assert int(_counters[torch.device(dev, torch.cuda.current_device())].abs().sum()) == 0  # left at 0
-        wq = quantize(w, (128, 128))
-        big = fp8_gemm(quantize(x), wq)
-        for m in (1, 16, 64, 256):
-            assert torch.equal(fp8_gemm(quantize(x[:m]), wq), big[:m]), m
+        # the FP8 GEMM: K = 512 takes the Gluon kernel (its tiles change at 64 and 256 rows, its bits do not), K = 384
+        # the Triton exact kernel; a misaligned view of the activation codes is copied, not sent elsewhere
+        from jetrl.fp8 import gemm as gemm_module
+
+        for k in (512, 384):
+            xk, wq = x[:, :k].contiguous(), quantize(w[:, :k].contiguous(), (128, 128))
+            assert gemm_module._exact_takes_gluon(wq) == (k == 512)
+            big = fp8_gemm(quantize(xk), wq)
+            for m in (1, 16, 64, 200, 256, 300):
+                assert torch.equal(fp8_gemm(quantize(xk[:m]), wq), big[:m]), (k, m)
+            a = quantize(xk[:65])
+            shifted = torch.empty(65 * k + 8, dtype=a.codes.dtype, device=dev)[8:].view(65, k)
+            shifted.copy_(a.codes)  # 8-byte aligned: TMA cannot read it
+            assert torch.equal(fp8_gemm(type(a)(shifted, a.scales, a.block), wq), big[:65]), k
         # attention: position t of a causal forward over T tokens = a decode step at t over a static cache
         B, H, Hkv, T, D, S = 3, 8, 2, 200, 128, 256
         q, k, v = (torch.randn(B, h, T, D, device=dev, dtype=bf) for h in (H, Hkv, Hkv))

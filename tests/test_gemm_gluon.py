@@ -210,3 +210,22 @@ def test_pdl_gemm_waits_for_the_kernel_that_writes_its_input(m, n, k, monkeypatc
         x.copy_(v)
         with use_pdl(True):
             assert torch.equal(step(True), expected)
+
+
+@requires_sm90
+def test_eager_calls_keep_no_activation_alive():
+    """A TMA descriptor holds its tensor: eager calls with fresh activations (an eager decode, a short prefill) must
+    not keep them alive (descriptors cached by tensor once did, one activation per call)."""
+    w = quantize(torch.randn(4096, 4096, device="cuda") * 0.02, (BLOCK, BLOCK))
+
+    def call():
+        a = quantize(torch.randn(64, 4096, device="cuda"))
+        gluon_gemm.gemm_mid_m(a.codes, a.scales, w.codes, w.scales, config=gluon_gemm.GluonConfig())
+
+    call()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(20):
+        call()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before

@@ -32,9 +32,12 @@ overridable (``override_backend``, or the ``JETRL_GEMM_BACKEND`` environment var
   FP8 ``wgmma`` groups in flight per consumer warpgroup) for GEMMs whose output tiles fit in one
   wave of the GPU's SMs, where cuBLAS's 128 x 128 tiles leave SMs idle. K a multiple of 256.
 
-Exact mode (jetrl/exact.py) overrides all of them for forward GEMMs on CUDA: one Triton kernel with one
-tile shape and one K split per layer for every M, and one binary (kernels/gemm_exact_triton.py), so a row's sum runs
-in the same order in a decode step and in the trainer's forward. Gradient GEMMs (``batch_invariant=False``) keep the per-shape choice.
+Exact mode (jetrl/exact.py) overrides all of them for forward GEMMs on CUDA, so a row's sum runs in the same order
+in a decode step and in the trainer's forward (:func:`_gemm_exact`): the Gluon kernel where the *layer* allows it (an
+SM90 GPU, K a multiple of 256, weight codes TMA can read) -- its bits do not depend on its tiles, measured at every M
+and tile (bench/probe_gluon_invariance.py, run DH), so it runs the fastest tile per shape -- else one Triton kernel
+with one tile shape and one K split per layer for every M, and one binary (kernels/gemm_exact_triton.py). Which of
+the two is a property of the layer, never of M. Gradient GEMMs (``batch_invariant=False``) keep the per-shape choice.
 
 Per-shape dispatch on SM90 (:func:`choose_backend`) is a fixed rule of the shape -- never a
 timing taken at run time -- so a given shape always runs the same kernel with the same
@@ -96,8 +99,17 @@ def fp8_gemm(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype = torch.bf
     return gemm_emulated(a, b, out_dtype, torch.float64 if batch_invariant else torch.float32)
 
 
+EXACT_GLUON_LARGE = (128, 128, 4, 2)  # exact mode's Gluon tile above 256 rows (run DH: the fastest at 9216 rows)
+
+
 def _gemm_exact(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype) -> torch.Tensor:
-    """Exact mode's forward GEMM: the batch-invariant kernel at every M (module docstring)."""
+    """Exact mode's forward GEMM: a batch-invariant kernel at every M, chosen by the layer alone (module docstring).
+
+    The Gluon kernel adds a row's 128-groups in order into one fp32 accumulator (``acc + P_g * (sa sb)``, P_g a fresh
+    wgmma), whatever its tile: on the H200 every one of 8 tile configurations, with and without PDL, gave every row
+    of 1-9216-row calls the bits of one reference call, for an 8B layer's four shapes (run DH). So it runs the fast
+    path's tiles up to 256 rows and 128 x 128 above: an 8B layer's four GEMMs 69 µs at 64 rows (the Triton exact
+    kernel 110), 4.4 ms at 9216 rows (7.7; cuBLAS 3.6)."""
     from jetrl.fp8.kernels import capability, has_triton
 
     if b.block != (BLOCK, BLOCK):  # never a silent fallback to a per-shape kernel
@@ -107,9 +119,29 @@ def _gemm_exact(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype) -> tor
     if not has_triton() or capability(a.codes.device) < (8, 9):
         raise RuntimeError("exact mode's FP8 GEMM needs Triton and an SM89+ GPU (FP8 tensor cores); leave exact "
                            "mode (jetrl.exact.use_exact(False)) on this machine")
+    if _exact_takes_gluon(b):
+        from jetrl.fp8.kernels.gemm_gluon import gemm_mid_m
+        from jetrl.fp8.kernels.gluon_tiles import GluonConfig, operand_problem
+
+        m, n, k = a.shape[0], b.shape[0], a.shape[1]
+        if m == 0:
+            return torch.empty((0, n), dtype=out_dtype, device=a.codes.device)
+        codes = a.codes
+        if operand_problem(codes, b.codes) is not None:  # a view TMA cannot read: copy it, never change kernels
+            codes = codes.clone(memory_format=torch.contiguous_format)
+        tiles = gluon_tiles(m, n, k) if m <= 256 else GluonConfig(*EXACT_GLUON_LARGE)
+        return gemm_mid_m(codes, a.scales, b.codes, b.scales, out_dtype, tiles)
     from jetrl.fp8.kernels.gemm_exact_triton import gemm_exact
 
     return gemm_exact(a.codes, a.scales, b.codes, b.scales, out_dtype)
+
+
+def _exact_takes_gluon(b: Float8Blocks) -> bool:
+    """Exact mode's kernel choice, a property of the layer (its weight), never of M: the Gluon kernel on an SM90 GPU
+    with Gluon, for K a multiple of 256 and weight codes TMA can read."""
+    from jetrl.fp8.kernels.gluon_tiles import operand_problem
+
+    return _is_sm90(b.codes.device) and has_gluon() and operand_problem(b.codes, b.codes) is None
 
 
 def choose_backend(m: int, b_block: tuple[int, int] = (BLOCK, BLOCK), n: int | None = None,

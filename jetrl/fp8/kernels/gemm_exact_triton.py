@@ -1,7 +1,9 @@
 """Exact mode's FP8 GEMM: batch-invariant, with a fixed K split per layer that a decode step runs across the GPU.
 
-Spec: :func:`jetrl.fp8.gemm.gemm_emulated`. Exact mode (jetrl/exact.py) sends every forward FP8 GEMM here, in the
-trainer's forward and in the rollout alike, so a row's output is the same bits at every M.
+Spec: :func:`jetrl.fp8.gemm.gemm_emulated`. Exact mode (jetrl/exact.py) sends a layer's forward FP8 GEMMs here, in
+the trainer's forward and in the rollout alike, so a row's output is the same bits at every M -- where the Gluon
+kernel cannot take the layer (not Hopper, K not a multiple of 256: jetrl/fp8/gemm.py ``_gemm_exact``); the Gluon
+kernel is batch-invariant at any tile and 1.6-1.7x faster on an 8B layer.
 
 The arithmetic, for a[M, K] in 1x128 groups (scales sa[M, K/128]) and b[N, K] in 128x128 blocks (scales
 sb[N/128, K/128]): the K groups are cut into ``S`` runs of ``G`` groups (a function of K only: split_k.k_splits),

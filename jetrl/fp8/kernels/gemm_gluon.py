@@ -30,7 +30,10 @@ has one weight scale per group):
 
 The products inside a group are exact and summed by the tensor cores in their fp32 (as cuBLAS's
 block-scaled path does, promoting every 128 of K), so results agree with the emulation to the same
-~1e-3 relative, not bitwise. K must be a multiple of 256 (pairs of groups) and TMA must be able to
+~1e-3 relative, not bitwise. But a row's bits depend on nothing else: every element adds its groups in order
+into one accumulator whatever the tile, the unroll, the partitions or PDL, so rows of a 1-row call equal those of a
+9216-row call under any two configurations (bench/probe_gluon_invariance.py, run DH) -- exact mode
+(jetrl/exact.py) runs it batch-invariant at the fastest tile per shape. K must be a multiple of 256 (pairs of groups) and TMA must be able to
 read the codes (gluon_tiles.operand_problem); the dispatcher in gemm.py sends the rest elsewhere. Tiles are a
 function of the shape only (``gluon_tiles`` in gemm.py), so a shape always sums in the same order.
 
@@ -198,11 +201,16 @@ def _gemm_kernel(a_desc, b_desc, sa_ptr, sb_ptr, out_ptr, M, N, K, stride_sam, s
 
 
 @functools.cache
+def _box_layout(rows: int):
+    return gl.NVMMASharedLayout.get_default_for([rows, GROUP], gl.float8e4nv)
+
+
 def descriptors(a_codes: torch.Tensor, b_codes: torch.Tensor, cfg: GluonConfig) -> tuple:
-    """TMA descriptors of the (M, K) activation and (N, K) weight codes, one group of K per box."""
+    """TMA descriptors of the (M, K) activation and (N, K) weight codes, one group of K per box. Built per call:
+    a descriptor holds its tensor, so a cache of them keyed by tensor kept every eager call's activation codes
+    alive (an eager decode or a short prefill leaked one per GEMM); a CUDA graph captures them by value."""
     def desc(t, rows):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, GROUP], gl.float8e4nv)
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, GROUP], layout)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, GROUP], _box_layout(rows))
 
     return desc(a_codes, cfg.block_m), desc(b_codes, cfg.block_n)
 
