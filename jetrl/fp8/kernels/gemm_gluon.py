@@ -32,10 +32,10 @@ The products inside a group are exact and summed by the tensor cores in their fp
 block-scaled path does, promoting every 128 of K), so results agree with the emulation to the same
 ~1e-3 relative, not bitwise. But a row's bits depend on nothing else: every element adds its groups in order
 into one accumulator whatever the tile, the unroll, the partitions or PDL, so rows of a 1-row call equal those of a
-9216-row call under any two configurations (bench/probe_gluon_invariance.py, run DH) -- exact mode
-(jetrl/exact.py) runs it batch-invariant at the fastest tile per shape. K must be a multiple of 256 (pairs of groups) and TMA must be able to
-read the codes (gluon_tiles.operand_problem); the dispatcher in gemm.py sends the rest elsewhere. Tiles are a
-function of the shape only (``gluon_tiles`` in gemm.py), so a shape always sums in the same order.
+9216-row call under any two configurations (bench/probe_gluon_invariance.py, run DH), and exact mode
+(jetrl/exact.py) runs it batch-invariant at the fastest tile per shape. K must be a multiple of 256 (pairs of
+groups) and TMA must be able to read the codes (gluon_tiles.operand_problem); the dispatcher in gemm.py sends the
+rest elsewhere. Tiles are a function of the shape only (``gluon_tiles`` in gemm.py).
 
 Needs Triton >= 3.6 with Gluon and an SM90 GPU; imported lazily (CPU tests compile it for sm_90
 with Triton's bundled ptxas and check the loop's SASS: see tests/test_gemm_gluon.py).
