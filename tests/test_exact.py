@@ -68,12 +68,15 @@ ref = exact_attention_reference(q, k, v, causal=True)
 close(exact_attention_triton(q, k, v, None, True, 32 ** -0.5), ref, 0.03)
 # long enough for full key tiles (every key attended by every row of the tile: the kernel skips the masking there):
 # a decode over the cache up to t (the kernel's own length bound) equals the causal row t bit for bit
-ql, kl, vl = torch.randn(1, 2, 150, 32, dtype=bf), torch.randn(1, 1, 150, 32, dtype=bf), torch.randn(1, 1, 150, 32, dtype=bf)
-full = exact_attention_triton(ql, kl, vl, None, True, 32 ** -0.5)
-close(full, exact_attention_reference(ql, kl, vl, causal=True), 0.03)
-for t in (0, 63, 64, 70, 127, 128, 149):
-    step = exact_attention_triton(ql[:, :, t:t + 1], kl, vl, None, False, 32 ** -0.5, lengths=torch.tensor([t]))
-    assert torch.equal(step, full[:, :, t:t + 1]), t
+# (G = 3: tiles of 5-6 positions; G = 16: a tile is one position, so its first position lands on every key tile's
+# edge; t = 62 / 126 leave one key out of the decode's last tile)
+for g in (3, 16):
+    ql, kl, vl = torch.randn(1, g, 150, 32, dtype=bf), torch.randn(1, 1, 150, 32, dtype=bf), torch.randn(1, 1, 150, 32, dtype=bf)
+    full = exact_attention_triton(ql, kl, vl, None, True, 32 ** -0.5)
+    close(full, exact_attention_reference(ql, kl, vl, causal=True), 0.03)
+    for t in (0, 62, 63, 64, 70, 126, 127, 128, 149):
+        step = exact_attention_triton(ql[:, :, t:t + 1], kl, vl, None, False, 32 ** -0.5, lengths=torch.tensor([t]))
+        assert torch.equal(step, full[:, :, t:t + 1]), (g, t)
 # the same through a padding-style bool mask (B, 1, T, S) with the diagonal always allowed
 mask = torch.ones(2, 1, 37, 37, dtype=torch.bool).tril()
 mask[1, :, :, :5] = False
@@ -218,8 +221,8 @@ def test_exact_mode_rejects_what_its_kernels_cannot_run():
 
 
 def test_exact_fp8_gemm_kernel_is_chosen_by_the_layer(monkeypatch):
-    """Exact mode's FP8 GEMM takes the Gluon kernel for a layer with K a multiple of 256 and weight codes TMA can
-    read, on an SM90 GPU with Gluon: a property of the weight, never of M (on any other machine, the Triton one)."""
+    """Exact mode's FP8 GEMM takes the Gluon kernel for a layer with K a multiple of 256 on an SM90 GPU with Gluon: a
+    property of the layer's shape, never of M nor of the codes' layout (on any other machine, the Triton one)."""
     from jetrl.fp8 import gemm as gemm_module
     from jetrl.fp8.quant import quantize
 
@@ -229,8 +232,8 @@ def test_exact_fp8_gemm_kernel_is_chosen_by_the_layer(monkeypatch):
     monkeypatch.setattr(gemm_module, "has_gluon", lambda: True)
     assert gemm_module._exact_takes_gluon(w)
     assert not gemm_module._exact_takes_gluon(quantize(torch.randn(256, 384), (128, 128)))  # K % 256
-    strided = type(w)(w.codes[:, ::2], w.scales[:, :2], w.block)  # column stride 2: no TMA descriptor
-    assert not gemm_module._exact_takes_gluon(strided)
+    strided = type(w)(w.codes[:, ::2], w.scales[:, :2], w.block)  # column stride 2: copied, not sent elsewhere
+    assert gemm_module._exact_takes_gluon(strided)
 
 
 def test_exact_gemms_k_runs_and_split_limits():
@@ -279,16 +282,21 @@ def test_exact_kernels_are_batch_invariant_on_gpu():
         # the Triton exact kernel; a misaligned view of the activation codes is copied, not sent elsewhere
         from jetrl.fp8 import gemm as gemm_module
 
+        gluon = gemm_module._is_sm90(torch.device(dev)) and gemm_module.has_gluon()  # else Triton for both
         for k in (512, 384):
             xk, wq = x[:, :k].contiguous(), quantize(w[:, :k].contiguous(), (128, 128))
-            assert gemm_module._exact_takes_gluon(wq) == (k == 512)
+            assert gemm_module._exact_takes_gluon(wq) == (gluon and k == 512)
             big = fp8_gemm(quantize(xk), wq)
             for m in (1, 16, 64, 200, 256, 300):
                 assert torch.equal(fp8_gemm(quantize(xk[:m]), wq), big[:m]), (k, m)
+
+            def shifted(t):  # a copy 8 bytes past a 16-byte boundary: TMA cannot read it
+                out = torch.empty(t.numel() + 8, dtype=t.dtype, device=dev)[8:].view(t.shape)
+                return out.copy_(t)
+
             a = quantize(xk[:65])
-            shifted = torch.empty(65 * k + 8, dtype=a.codes.dtype, device=dev)[8:].view(65, k)
-            shifted.copy_(a.codes)  # 8-byte aligned: TMA cannot read it
-            assert torch.equal(fp8_gemm(type(a)(shifted, a.scales, a.block), wq), big[:65]), k
+            assert torch.equal(fp8_gemm(type(a)(shifted(a.codes), a.scales, a.block), wq), big[:65]), k
+            assert torch.equal(fp8_gemm(a, type(wq)(shifted(wq.codes), wq.scales, wq.block)), big[:65]), k
         # attention: position t of a causal forward over T tokens = a decode step at t over a static cache
         B, H, Hkv, T, D, S = 3, 8, 2, 200, 128, 256
         q, k, v = (torch.randn(B, h, T, D, device=dev, dtype=bf) for h in (H, Hkv, Hkv))

@@ -34,7 +34,7 @@ overridable (``override_backend``, or the ``JETRL_GEMM_BACKEND`` environment var
 
 Exact mode (jetrl/exact.py) overrides all of them for forward GEMMs on CUDA, so a row's sum runs in the same order
 in a decode step and in the trainer's forward (:func:`_gemm_exact`): the Gluon kernel where the *layer* allows it (an
-SM90 GPU, K a multiple of 256, weight codes TMA can read) -- its bits do not depend on its tiles, measured at every M
+SM90 GPU, K a multiple of 256) -- its bits do not depend on its tiles, measured at every M
 and tile (bench/probe_gluon_invariance.py, run DH), so it runs the fastest tile per shape -- else one Triton kernel
 with one tile shape and one K split per layer for every M, and one binary (kernels/gemm_exact_triton.py). Which of
 the two is a property of the layer, never of M. Gradient GEMMs (``batch_invariant=False``) keep the per-shape choice.
@@ -126,22 +126,22 @@ def _gemm_exact(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype) -> tor
         m, n, k = a.shape[0], b.shape[0], a.shape[1]
         if m == 0:
             return torch.empty((0, n), dtype=out_dtype, device=a.codes.device)
-        codes = a.codes
-        if operand_problem(codes, b.codes) is not None:  # a view TMA cannot read: copy it, never change kernels
-            codes = codes.clone(memory_format=torch.contiguous_format)
+        # codes TMA cannot read (a misaligned or strided view) are copied: the kernel never changes with the layout
+        a_codes, b_codes = (t if operand_problem(t, t) is None else t.clone(memory_format=torch.contiguous_format)
+                            for t in (a.codes, b.codes))
         tiles = gluon_tiles(m, n, k) if m <= 256 else GluonConfig(*EXACT_GLUON_LARGE)
-        return gemm_mid_m(codes, a.scales, b.codes, b.scales, out_dtype, tiles)
+        return gemm_mid_m(a_codes, a.scales, b_codes, b.scales, out_dtype, tiles)
     from jetrl.fp8.kernels.gemm_exact_triton import gemm_exact
 
     return gemm_exact(a.codes, a.scales, b.codes, b.scales, out_dtype)
 
 
 def _exact_takes_gluon(b: Float8Blocks) -> bool:
-    """Exact mode's kernel choice, a property of the layer (its weight), never of M: the Gluon kernel on an SM90 GPU
-    with Gluon, for K a multiple of 256 and weight codes TMA can read."""
-    from jetrl.fp8.kernels.gluon_tiles import operand_problem
+    """Exact mode's kernel choice, a property of the layer's shape and the GPU, never of M nor of how the codes lie
+    in memory: the Gluon kernel on an SM90 GPU with Gluon, for K a multiple of 256."""
+    from jetrl.fp8.kernels.gluon_tiles import GROUP
 
-    return _is_sm90(b.codes.device) and has_gluon() and operand_problem(b.codes, b.codes) is None
+    return _is_sm90(b.codes.device) and has_gluon() and b.shape[1] % (2 * GROUP) == 0
 
 
 def choose_backend(m: int, b_block: tuple[int, int] = (BLOCK, BLOCK), n: int | None = None,
