@@ -52,9 +52,9 @@ class LoopMix:
 
 
 def compile_like_launch(fn, args: dict[str, Any], constexprs: dict[str, Any], *, num_warps: int, num_stages: int,
-                        arch: int = SM90):
+                        arch: int = SM90, **options: Any):
     """Compile Triton kernel ``fn`` for sm_90 (or ``arch``) as a launch with ``args`` (name -> tensor / int / float)
-    would.
+    would; ``options``: further compile options of the launch (e.g. ``enable_fp_fusion=False``).
 
     ``constexprs`` are the kernel's ``tl.constexpr`` parameters (those with a default may be left out);
     every other parameter must be in ``args``. Pointers are represented by tensors of the launch's dtype
@@ -88,7 +88,7 @@ def compile_like_launch(fn, args: dict[str, Any], constexprs: dict[str, Any], *,
     else:
         source = ASTSource(fn, signature, consts, attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages, **options})
 
 
 def sass(compiled) -> str:

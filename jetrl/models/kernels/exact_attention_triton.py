@@ -55,8 +55,8 @@ Not the fastest attention: 16-row tiles re-read K/V per 16 rows (from L2) in tra
 of them (G = 4). A decode is bound by each program's chain of per-tile instructions (a (batch, kv head) pair walks
 its keys alone), so a tile's work is kept small: a *full* tile (every key exists and every real row may attend it,
 no mask: all of a decode's walk but its last tile, a causal walk below the diagonal) skips the masking and the
-selection by a runtime branch (605 SASS instructions per warp and BF16 tile against 1041 for a partial one; an FP8
-cache adds ~640 for the dequantization), and two warps split a tile's keys (one warp holds a 64-key tile's
+selection by a runtime branch (607 SASS instructions per warp and BF16 tile against 1045 for a partial one; an FP8
+cache adds ~645 for the dequantization: bench/sass_exact_attention.py), and two warps split a tile's keys (one warp holds a 64-key tile's
 registers poorly, four pay for their cross-warp reductions). Measured on the H200 (bench/sweep_exact_tiles.py, runs
 DE-DF; µs under CUDA graphs, B = 64 / 256 rows of mean context 640, FP8 cache): the kernel before these two changes
 113 / 352, with them 74 / 210; 4 warps 86 / 274, 1 warp 133 / 274, 32-key tiles with 2 warps 91 / 253; the causal
