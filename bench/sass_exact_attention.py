@@ -39,9 +39,8 @@ def path_module():
     source, count = PARTIAL.subn("partial = PARTIAL\n", source)
     if count != 1:
         raise SystemExit("the kernel's source changed; update PARTIAL")
-    path = tempfile.NamedTemporaryFile("w", suffix="_exact_attention_paths.py", delete=False)
-    path.write(source)
-    path.close()
+    with tempfile.NamedTemporaryFile("w", suffix="_exact_attention_paths.py", delete=False) as path:
+        path.write(source)
     spec = importlib.util.spec_from_file_location("exact_attention_paths", path.name)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # Triton reads the jitted functions' globals through it
