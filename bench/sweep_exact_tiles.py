@@ -4,8 +4,11 @@ Exact mode (jetrl/exact.py) runs one tile shape per kernel for every problem siz
 (exact_linear_triton.TILES, gemm_exact_triton.TILES, exact_attention_triton.TILES) are part of the arithmetic. A
 candidate qualifies only if a row's bits do not depend on M (rows of 1, 7, 64 and 256-row calls equal the same rows
 of a 9216-row call; a GEMM's K runs as separate programs equal them in one program; attention: a decode step over a
-cache equals the causal forward's row). For each it then times Qwen3-8B's shapes at the trainer's M (8 x 1152
-tokens, CUDA events, median) and a layer's four GEMMs at decode sizes (M = 64, 256) under CUDA-graph replay.
+cache equals the causal forward's row), and it reports whether its bits equal the shipped tiles' (where they do, the
+tile could be chosen per shape, as exact mode does with the Gluon FP8 GEMM). For each it then times Qwen3-8B's shapes
+at the trainer's M (8 x 1152 tokens, CUDA events, median) and a layer's four GEMMs at decode sizes (M = 64, 256) under
+CUDA-graph replay. The FP8 section sweeps the Triton exact kernel, which exact mode runs only where the Gluon kernel
+cannot take a layer (jetrl/fp8/gemm.py ``_gemm_exact``).
 
     PYTHONPATH=. OUT=$OUT python3 bench/sweep_exact_tiles.py
 """
@@ -18,7 +21,6 @@ import torch
 
 from jetrl.bench.timing import graph_time_us, time_ms
 from jetrl.exact import use_exact
-from jetrl.fp8.gemm import fp8_gemm
 from jetrl.fp8.kernels import gemm_exact_triton
 from jetrl.fp8.kernels.split_k import k_splits
 from jetrl.fp8.kv_quant import quantize_kv
@@ -67,6 +69,7 @@ def sweep_linear(rows: list) -> None:
     x = torch.randn(BIG, 12288, device=DEV, dtype=BF)
     weights = {name: torch.randn(n, k, device=DEV, dtype=BF) * 0.02 for name, (n, k) in LAYER.items()}
     weights["lm_head"] = torch.randn(151936, 4096, device=DEV, dtype=BF) * 0.02
+    shipped = None  # the shipped tiles' o_proj output at BIG rows: does a candidate give the same bits?
     for cfg in LINEAR:
         exact_linear_triton.TILES.update(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLITS", "num_warps", "num_stages"),
                                              cfg))
@@ -74,6 +77,10 @@ def sweep_linear(rows: list) -> None:
         try:
             def f(a, w):
                 return exact_linear_triton.exact_linear_triton(a, w, None)
+
+            o_out = f(x[:, :4096].contiguous(), weights["o"])
+            shipped = o_out if shipped is None else shipped
+            row["o bits = the shipped tiles'"] = torch.equal(o_out, shipped)
 
             for name, w in weights.items():
                 xk = x[:, :w.shape[1]].contiguous()
@@ -99,16 +106,23 @@ def sweep_fp8(rows: list) -> None:
     weights = {name: quantize(torch.randn(n, k, device=DEV, dtype=BF) * 0.02, (128, 128))
                for name, (n, k) in LAYER.items()}
     codes = {m: {name: quantize(x[:m, :k].contiguous()) for name, (_, k) in LAYER.items()} for m in (64, 256, BIG)}
+    def gemm(a, wq):  # the Triton exact kernel itself: exact mode sends these shapes to the Gluon kernel on Hopper
+        return gemm_exact_triton.gemm_exact(a.codes, a.scales, wq.codes, wq.scales)
+
+    shipped = None
     for cfg in FP8:
         gemm_exact_triton.TILES.update(zip(("BLOCK_M", "BLOCK_N", "SPLITS", "num_warps", "num_stages"), cfg))
-        row = {"kernel": "exact fp8 gemm", "tiles": cfg}
+        row = {"kernel": "exact fp8 gemm (Triton)", "tiles": cfg}
         try:
             with use_exact():
+                o_out = gemm(codes[BIG]["o"], weights["o"])
+                shipped = o_out if shipped is None else shipped
+                row["o bits = the shipped tiles'"] = torch.equal(o_out, shipped)
                 for name, (n, k) in LAYER.items():
                     wq = weights[name]
 
                     def f(a, wq=wq):
-                        return fp8_gemm(quantize(a), wq)
+                        return gemm(quantize(a), wq)
 
                     if name in ("o", "down"):
                         row[f"{name} invariant"] = _invariant(f, x[:, :k].contiguous())
@@ -117,10 +131,10 @@ def sweep_fp8(rows: list) -> None:
                         row[f"{name} runs as programs = in one"] = torch.equal(
                             gemm_exact_triton.gemm_exact(a.codes, a.scales, wq.codes, wq.scales, programs_k=1),
                             gemm_exact_triton.gemm_exact(a.codes, a.scales, wq.codes, wq.scales, programs_k=splits))
-                    row[f"{name} M={BIG} ms"] = _ms(lambda name=name, wq=wq: fp8_gemm(codes[BIG][name], wq))
+                    row[f"{name} M={BIG} ms"] = _ms(lambda name=name, wq=wq: gemm(codes[BIG][name], wq))
                 for m in (64, 256):
                     row[f"layer M={m} graph us"] = round(graph_time_us(
-                        lambda m=m: [fp8_gemm(codes[m][name], weights[name]) for name in LAYER], DEV, calls=5,
+                        lambda m=m: [gemm(codes[m][name], weights[name]) for name in LAYER], DEV, calls=5,
                         replays=10), 1)
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -141,12 +155,15 @@ def sweep_attention(rows: list) -> None:
                      [x.codes.view(Bd, Hkv, S, D) for x in fp8], [x.scales.view(Bd, Hkv, S) for x in fp8],
                      torch.linspace(128, S - 1, Bd, device=DEV).long())
     rows_b = torch.arange(B, device=DEV)
+    shipped = None
     for cfg in ATTENTION:
         exact_attention_triton.TILES.update(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), cfg))
         row = {"kernel": "exact attention", "tiles": cfg}
         try:
             with use_exact():
                 full = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                shipped = full if shipped is None else shipped
+                row["bits = the shipped tiles'"] = torch.equal(full, shipped)
                 pos = torch.tensor([0, 63, 64, 500, 700, 1000, 1100, T - 1], device=DEV)
                 q_step = q[rows_b, :, pos].unsqueeze(2)
                 row["invariant"] = torch.equal(exact_cache_attention(q_step, k, v, pos)[:, :, 0], full[rows_b, :, pos])
