@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from jetrl.bench.shapes import h200_config
 from jetrl.bench.timing import graph_time_us, time_ms
 from jetrl.fp8.gemm import fp8_gemm, gluon_tiles
 from jetrl.fp8.kernels.gemm_exact_triton import gemm_exact
@@ -26,7 +27,7 @@ from jetrl.fp8.kernels.gluon_tiles import GluonConfig
 from jetrl.fp8.quant import quantize
 
 DEV, BF = torch.device("cuda"), torch.bfloat16
-LAYER = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+LAYER = {name: (n, k) for name, k, n in h200_config().layer_gemms()}  # an 8B layer: name -> (N, K)
 CONFIGS = [GluonConfig(128, 128, 4, 2), GluonConfig(64, 128, 6, 2), GluonConfig(64, 64, 6, 4),
            GluonConfig(64, 32, 8, 4), GluonConfig(128, 64, 8, 4), GluonConfig(128, 128, 6, 4),
            GluonConfig(64, 128, 4, 4), GluonConfig(128, 32, 6, 2)]

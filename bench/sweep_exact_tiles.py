@@ -19,6 +19,7 @@ from functools import partial
 
 import torch
 
+from jetrl.bench.shapes import h200_config
 from jetrl.bench.timing import graph_time_us, time_ms
 from jetrl.exact import use_exact
 from jetrl.fp8.kernels import gemm_exact_triton
@@ -30,7 +31,7 @@ from jetrl.models.kernels import exact_attention_triton, exact_linear_triton
 
 DEV, BF = torch.device("cuda"), torch.bfloat16
 BIG, SMALL = 9216, (1, 7, 64, 256)
-LAYER = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+LAYER = {name: (n, k) for name, k, n in h200_config().layer_gemms()}  # an 8B layer: name -> (N, K)
 # (BLOCK_M, BLOCK_N, BLOCK_K, SPLITS, num_warps, num_stages); the first is the shipped one. SPLITS = 1 is the kernel
 # before run CU (no K runs; 128 x 128 / 4 warps spills once it keeps a second accumulator)
 LINEAR = [(128, 128, 64, 4, 8, 4), (128, 128, 64, 4, 8, 3), (64, 128, 64, 4, 4, 3), (128, 128, 64, 1, 4, 3)]

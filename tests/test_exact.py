@@ -71,7 +71,7 @@ close(exact_attention_triton(q, k, v, None, True, 32 ** -0.5), ref, 0.03)
 # (G = 3: tiles of 5-6 positions; G = 16: a tile is one position, so its first position lands on every key tile's
 # edge; t = 62 / 126 leave one key out of the decode's last tile)
 for g in (3, 16):
-    ql, kl, vl = torch.randn(1, g, 150, 32, dtype=bf), torch.randn(1, 1, 150, 32, dtype=bf), torch.randn(1, 1, 150, 32, dtype=bf)
+    ql, kl, vl = (torch.randn(1, h, 150, 32, dtype=bf) for h in (g, 1, 1))
     full = exact_attention_triton(ql, kl, vl, None, True, 32 ** -0.5)
     close(full, exact_attention_reference(ql, kl, vl, causal=True), 0.03)
     for t in (0, 62, 63, 64, 70, 126, 127, 128, 149):

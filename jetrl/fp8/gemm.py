@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from jetrl.exact import exact_active
+from jetrl.fp8.kernels.gluon_tiles import K_MULTIPLE
 from jetrl.fp8.quant import BLOCK, Float8Blocks
 from jetrl.overrides import ScopedOverride, env_choice
 
@@ -124,8 +125,6 @@ def _gemm_exact(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype) -> tor
         from jetrl.fp8.kernels.gluon_tiles import GluonConfig, operand_problem
 
         m, n, k = a.shape[0], b.shape[0], a.shape[1]
-        if m == 0:
-            return torch.empty((0, n), dtype=out_dtype, device=a.codes.device)
         # codes TMA cannot read (a misaligned or strided view) are copied: the kernel never changes with the layout
         a_codes, b_codes = (t if operand_problem(t, t) is None else t.clone(memory_format=torch.contiguous_format)
                             for t in (a.codes, b.codes))
@@ -139,9 +138,7 @@ def _gemm_exact(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype) -> tor
 def _exact_takes_gluon(b: Float8Blocks) -> bool:
     """Exact mode's kernel choice, a property of the layer's shape and the GPU, never of M nor of how the codes lie
     in memory: the Gluon kernel on an SM90 GPU with Gluon, for K a multiple of 256."""
-    from jetrl.fp8.kernels.gluon_tiles import GROUP
-
-    return _is_sm90(b.codes.device) and has_gluon() and b.shape[1] % (2 * GROUP) == 0
+    return _is_sm90(b.codes.device) and has_gluon() and b.shape[1] % K_MULTIPLE == 0
 
 
 def choose_backend(m: int, b_block: tuple[int, int] = (BLOCK, BLOCK), n: int | None = None,
@@ -163,7 +160,7 @@ def choose_backend(m: int, b_block: tuple[int, int] = (BLOCK, BLOCK), n: int | N
     """
     if b_block != (BLOCK, BLOCK):
         return "scaled_mm"  # wgrad's 1x128 operands: cuBLAS only
-    if n is not None and k is not None and m > GLUON_MIN_M and k % (2 * BLOCK) == 0 and has_gluon():
+    if n is not None and k is not None and m > GLUON_MIN_M and k % K_MULTIPLE == 0 and has_gluon():
         if m <= SMALL_M_MAX:
             return "gluon" if k < LONG_K or gluon_tiles(m, n, k).block_n == NARROW_BLOCK_N else "triton"
         tiles = gluon_tiles(m, n, k)

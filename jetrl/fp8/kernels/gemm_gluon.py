@@ -235,8 +235,10 @@ def gemm_mid_m(a_codes: torch.Tensor, a_scales: torch.Tensor, b_codes: torch.Ten
 
         config = gluon_tiles(m, n, k)
     cfg = config
-    a_desc, b_desc = descriptors(a_codes, b_codes, cfg)
     out = torch.empty((m, n), dtype=out_dtype, device=a_codes.device)
+    if m == 0:  # no tile, no launch
+        return out
+    a_desc, b_desc = descriptors(a_codes, b_codes, cfg)
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
     grid = (min(tiles, sm_count(a_codes.device)),)
     unroll = cfg.unroll if k % (cfg.unroll * GROUP) == 0 else 2

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 GROUP = 128  # K per scale group
+K_MULTIPLE = 2 * GROUP  # the kernel takes groups in pairs
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,8 @@ def operand_problem(a_codes: torch.Tensor, b_codes: torch.Tensor) -> str | None:
     """Why the kernel cannot take these (M, K) and (N, K) codes, or None: K must be a multiple of 256
     (groups come in pairs) and TMA must read both (unit column stride, 16-byte aligned base and rows)."""
     k = a_codes.shape[1]
-    if k % (2 * GROUP):
-        return f"K must be a multiple of {2 * GROUP}, got an {tuple(a_codes.shape)} x {tuple(b_codes.shape)} GEMM"
+    if k % K_MULTIPLE:
+        return f"K must be a multiple of {K_MULTIPLE}, got an {tuple(a_codes.shape)} x {tuple(b_codes.shape)} GEMM"
     for name, t in (("a", a_codes), ("b", b_codes)):
         if t.stride(1) != 1 or t.data_ptr() % 16 or t.stride(0) % 16:
             return (f"TMA reads {name}'s codes: they need unit column stride and a 16-byte aligned base and row "

@@ -33,10 +33,9 @@ call does not use read a stand-in), so the decode and the trainer still share on
 Every call with one head_dim runs the same binary -- causal or masked, prefill or decode. The causal limit is a
 runtime shift, "no mask" a runtime flag (a mask's tile is loaded and reduced to the rows and keys that attend
 anything; without one those two sets have a closed form, and only booleans differ), the sizes and the mask stay
-unspecialized
-(Triton otherwise compiles a binary per argument value class, == 1 or a multiple of 16, and per alignment), and
-q/k/v/out are contiguous and 16-byte aligned in every call (the wrapper copies where they are not), so their
-addresses specialize alike and their loads vectorize along D. The kernel is compiled without FMA contraction
+unspecialized (Triton otherwise compiles a binary per argument value class, == 1 or a multiple of 16, and per
+alignment), and q/k/v/out are contiguous and 16-byte aligned in every call (the wrapper copies where they are not),
+so their addresses specialize alike and their loads vectorize along D. The kernel is compiled without FMA contraction
 (``enable_fp_fusion=False``) and the P.V product accumulates inside the dot. Measured on the H200
 (bench/probe_exact.py, a causal call against the same rows through a tril mask): two binaries (causal and masked
 as compile-time flags) differed in the last bit of 13 of 10,624 rows; one source under Triton's default
@@ -56,13 +55,14 @@ of them (G = 4). A decode is bound by each program's chain of per-tile instructi
 its keys alone), so a tile's work is kept small: a *full* tile (every key exists and every real row may attend it,
 no mask: all of a decode's walk but its last tile, a causal walk below the diagonal) skips the masking and the
 selection by a runtime branch (607 SASS instructions per warp and BF16 tile against 1045 for a partial one; an FP8
-cache adds ~645 for the dequantization: bench/sass_exact_attention.py), and two warps split a tile's keys (one warp holds a 64-key tile's
-registers poorly, four pay for their cross-warp reductions). Measured on the H200 (bench/sweep_exact_tiles.py, runs
-DE-DF; µs under CUDA graphs, B = 64 / 256 rows of mean context 640, FP8 cache): the kernel before these two changes
-113 / 352, with them 74 / 210; 4 warps 86 / 274, 1 warp 133 / 274, 32-key tiles with 2 warps 91 / 253; the causal
-forward over 8 x 1152 tokens 1.48 ms (64-row tiles 1.2 ms, but 1.3x slower decodes: runs CQ-CR). A
-software-pipelined for loop (run CR, code not kept) sped the decode by 8% in isolation but slowed the forward by 1.4x
-and the engine's exact decode step by 10-18%; keys merged in chunks at fixed positions (runs CW-CX) were not faster.
+cache adds ~645 for the dequantization: bench/sass_exact_attention.py), and two warps split a tile's keys (one warp
+holds a 64-key tile's registers poorly, four pay for their cross-warp reductions). Measured on the H200
+(bench/sweep_exact_tiles.py, runs DE-DF; µs under CUDA graphs, B = 64 / 256 rows of mean context 640, FP8 cache):
+the kernel before these two changes 113 / 352, with them 74 / 210; 4 warps 86 / 274, 1 warp 133 / 274, 32-key tiles
+with 2 warps 91 / 253; the causal forward over 8 x 1152 tokens 1.48 ms (64-row tiles 1.2 ms, but 1.3x slower
+decodes: runs CQ-CR). A software-pipelined for loop (run CR, code not kept) sped the decode by 8% in isolation but
+slowed the forward by 1.4x and the engine's exact decode step by 10-18%; keys merged in chunks at fixed positions
+(runs CW-CX) were not faster.
 """
 
 from __future__ import annotations
