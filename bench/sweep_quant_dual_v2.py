@@ -141,8 +141,10 @@ def _launch_args(x, outs):
 
 def dual_candidate(x, pow2, kind, chunk, warps):
     """(codes, scales, codes_t, scales_t) of x by candidate ``kind`` (module docstring)."""
-    if kind == "reload":
-        return quantize_dual_triton(x, pow2, chunk=chunk, num_warps=warps)
+    if kind.startswith("reload"):  # reload[/r<ROWS>][/n<maxnreg>]
+        opts = {p[0]: int(p[1:]) for p in kind.split("/")[1:]}
+        launch = {"maxnreg": opts["n"]} if "n" in opts else {}
+        return quantize_dual_triton(x, pow2, chunk=chunk, rows=opts.get("r", 128), num_warps=warps, **launch)
     assert x.stride(1) == 1, "the candidates read x with unit column stride"
     outs = _outputs(x)
     gm, gk = triton.cdiv(x.shape[0], 128), triton.cdiv(x.shape[1], 128)
@@ -164,6 +166,15 @@ def bits(t):
 CANDIDATES = [("reload", 128, 8)] + [(g, c, w) for g in ("gluon", "gluon_cvt") for c in (32, 64, 128) for w in (4, 8)]
 if os.environ.get("CANDIDATES") == "reload":  # run BN: the shipped kernel's launch grid again, with the bare cast
     CANDIDATES = [("reload", c, w) for c in (32, 64, 128) for w in (4, 8, 16)]
+if os.environ.get("CANDIDATES") == "occupancy":  # run DM: ncu (run DL) found the kernel register-bound at 2 tiles per SM
+    CANDIDATES = ([(f"reload/r{r}", c, w) for c in (32, 64, 128) for r in (32, 64, 128) for w in (4, 8, 16)]
+                  + [(f"reload/r{r}/n{n}", c, 8) for c, r in ((128, 128), (128, 64), (64, 64), (32, 32))
+                     for n in (64, 80, 96)])
+if os.environ.get("CANDIDATES") == "occupancy2":  # run DN: around run DM's best (64 rows, 32-wide chunks, 4 warps)
+    CANDIDATES = ([(f"reload/r{r}" + (f"/n{n}" if n else ""), c, 4) for r, c in ((64, 32), (32, 32), (64, 16))
+                   for n in (0, 64, 72, 80, 96)]
+                  + [("reload/r32", 16, 2), ("reload/r64", 16, 2), ("reload/r32", 32, 2), ("reload/r128/n80", 32, 8),
+                     ("reload/r64/n80", 32, 8), ("reload/r128", 128, 8)])
 if os.environ.get("CANDIDATES") == "all":
     CANDIDATES = ([("trans", 128, w) for w in (4, 8, 16)]
                   + [(kd, c, w) for kd in ("reload", "gluon", "gluon_cvt") for c in (32, 64, 128) for w in (4, 8, 16)])
@@ -178,6 +189,8 @@ def sass_mix() -> None:
             "scales_ptr": torch.empty(1), "codes_t_ptr": torch.empty(1, dtype=torch.uint8),
             "scales_t_ptr": torch.empty(1)}
     dims = {"M": m, "K": k, "stride_xm": k, "num_k_groups": k // 128, "num_m_groups": m // 128}
+    dual_dims = {"M": m, "K": k, "stride_xm": k, "stride_xk": 1, "stride_sm": k // 128, "stride_sg": 1,
+                 "stride_tk": m // 128, "stride_tg": 1}
     from jetrl.fp8.kernels import quant_triton
 
     for kind, chunk, warps in CANDIDATES:
@@ -186,9 +199,11 @@ def sass_mix() -> None:
             consts = {"POW2": False, "EXPLICIT_ROUND": False, "CHUNK": chunk, "CONVERT": kind == "gluon_cvt",
                       "num_warps": warps}
             args = {**ptrs, **dims}
-        elif kind == "reload":
-            fn, consts = quant_triton._quantize_dual_kernel, {"POW2": False, "EXPLICIT_ROUND": False, "CHUNK": chunk}
-            args = {**ptrs, **dims, "stride_xk": 1}
+        elif kind.startswith("reload"):
+            rows = {p[0]: int(p[1:]) for p in kind.split("/")[1:]}.get("r", 128)
+            fn, consts = quant_triton._quantize_dual_kernel, {"POW2": False, "EXPLICIT_ROUND": False, "CHUNK": chunk,
+                                                               "ROWS": rows}
+            args = {**ptrs, **dual_dims}
         else:
             fn, consts = _dual_trans, {"POW2": False, "EXPLICIT_ROUND": False}
             args = {**ptrs, **dims, "stride_xk": 1}

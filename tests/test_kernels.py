@@ -76,10 +76,22 @@ for shape, pow2, dtype in [((200, 300), False, torch.bfloat16), ((130, 256), Tru
     x[-1, -1] = float("-inf")
     x = x.to(dtype)
     want = (*quantize_reference(x, 1, 128, pow2), *quantize_reference(x.t(), 1, 128, pow2))
-    for chunk in (32, 64, 128):  # the transposed read's (chunk, 128) column chunks; 128 is the default
-        got = quantize_dual_triton(x, pow2, chunk=chunk)
+    # (chunk, rows): the transposed read's (chunk, 128) column chunks and the row pass's (rows, 128) pieces;
+    # (32, 64) is the default; x also as a transposed view (its strides go into the kernel's int32 offsets)
+    for chunk, rows, view in [(32, 64, False), (128, 128, False), (64, 32, True)]:
+        xin = x.t().contiguous().t() if view else x
+        got = quantize_dual_triton(xin, pow2, chunk=chunk, rows=rows)
         for g, w in zip(got, want):
-            assert g.shape == w.shape and g.is_contiguous() and torch.equal(bits(g), bits(w)), (shape, chunk)
+            assert g.shape == w.shape and g.is_contiguous() and torch.equal(bits(g), bits(w)), (shape, chunk, rows)
+    # column-major scales (what the training step's GEMMs read): the same values, in that layout
+    got = quantize_dual_triton(x, pow2, col_major_scales=True)
+    for g, w in zip(got, want):
+        assert torch.equal(bits(g.contiguous()), bits(w)), shape
+    assert got[1].stride() == (1, shape[0]) and got[3].stride() == (1, shape[1]), (got[1].stride(), got[3].stride())
+# the kernel's int32 in-tile offsets: quantize_with_transpose takes two passes where they would overflow
+from jetrl.fp8.kernels.quant_triton import dual_fits
+assert dual_fits(torch.empty(9216, 24576, device="meta")) and not dual_fits(torch.empty(2**24, 128, device="meta"))
+assert not dual_fits(torch.empty(128, 2**24, device="meta").t())
 # per-token-head groups narrower than 128 (the KV cache's head_dim)
 for width in (16, 64):
     x = torch.randn(70, 3 * width)

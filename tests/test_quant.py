@@ -5,7 +5,15 @@ import math
 import pytest
 import torch
 
-from jetrl.fp8.quant import E4M3_MAX, SCALE_FLOOR, Float8Blocks, NonFiniteError, amax_to_scale, quantize
+from jetrl.fp8.quant import (
+    E4M3_MAX,
+    SCALE_FLOOR,
+    Float8Blocks,
+    NonFiniteError,
+    amax_to_scale,
+    quantize,
+    quantize_with_transpose,
+)
 
 BLOCKS = [(1, 128), (128, 128)]
 
@@ -175,3 +183,12 @@ def test_bare_cast_only_where_codes_go_straight_to_memory():
                         and any(isinstance(a, ast.Constant) and a.value is True for a in call.args)):
                     users.add((path.name, fn.name))
     assert users == {("quant_triton.py", "_quantize_kernel"), ("quant_triton.py", "_quantize_dual_kernel")}, users
+
+
+def test_quantize_with_transpose_column_major_scales_hold_the_same_values():
+    x = torch.randn(200, 300)
+    want = quantize_with_transpose(x, pow2_scale=True)
+    got = quantize_with_transpose(x, pow2_scale=True, col_major_scales=True)
+    for g, w in zip(got, want):
+        assert torch.equal(g.codes.view(torch.uint8), w.codes.view(torch.uint8)) and torch.equal(g.scales, w.scales)
+        assert g.scales.stride() == (1, g.scales.shape[0]), g.scales.stride()

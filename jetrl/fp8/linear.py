@@ -58,7 +58,7 @@ class _Float8LinearFn(torch.autograd.Function):
             x_q, xt_q = x_both
             ctx.save_for_backward(weight, xt_q.codes, xt_q.scales)  # X^T (K, M) in FP8
         else:
-            x_q = quantize(x2d, spec.input.block, pow2_scale=spec.input.pow2_scale, name=f"{name}.input")
+            x_q = _quantize(x2d, spec.input, f"{name}.input")
             ctx.save_for_backward(weight)
         return fp8_gemm(x_q, w_q, out_dtype=x2d.dtype)  # (M, N)
 
@@ -75,8 +75,8 @@ class _Float8LinearFn(torch.autograd.Function):
         if need_dx and need_dw:
             dy_q, dyt_q = _quantize_both(grad_y, spec.grad_output, spec.wgrad, gname)  # one pass on CUDA
         else:
-            dy_q = quantize(grad_y, spec.grad_output.block, pow2_scale=spec.grad_output.pow2_scale, name=gname) if need_dx else None
-            dyt_q = quantize(grad_y.t(), spec.wgrad.block, pow2_scale=spec.wgrad.pow2_scale, name=f"{gname}_t") if need_dw else None
+            dy_q = _quantize(grad_y, spec.grad_output, gname) if need_dx else None
+            dyt_q = _quantize(grad_y.t(), spec.wgrad, f"{gname}_t") if need_dw else None
         if need_dx:
             wt_q = ctx.cache.get_transposed(weight, spec.weight)  # (K, N)
             grad_x = fp8_gemm(dy_q, wt_q, out_dtype=ctx.x_dtype, batch_invariant=False)  # (M, K)
@@ -90,9 +90,14 @@ class _Float8LinearFn(torch.autograd.Function):
 def _quantize_both(t: torch.Tensor, rows: QuantSpec, tokens: QuantSpec, name: str) -> tuple[Float8Blocks, Float8Blocks]:
     """q(t) in ``rows``' groups and q(t^T) in ``tokens``' groups; fused when both are 1x128 alike."""
     if rows == tokens and rows.block == (1, BLOCK):
-        return quantize_with_transpose(t, pow2_scale=rows.pow2_scale, name=name)
-    return (quantize(t, rows.block, pow2_scale=rows.pow2_scale, name=name),
-            quantize(t.t(), tokens.block, pow2_scale=tokens.pow2_scale, name=f"{name}_t"))
+        return quantize_with_transpose(t, pow2_scale=rows.pow2_scale, name=name, col_major_scales=t.is_cuda)
+    return _quantize(t, rows, name), _quantize(t.t(), tokens, f"{name}_t")
+
+
+def _quantize(t: torch.Tensor, spec: QuantSpec, name: str) -> Float8Blocks:
+    """q(t) in ``spec``; on CUDA with column-major scales, the layout cuBLAS's block-scaled GEMM reads (the GEMMs of
+    this file would otherwise copy every activation's and gradient's scales into it)."""
+    return quantize(t, spec.block, pow2_scale=spec.pow2_scale, name=name, col_major_scales=t.is_cuda)
 
 
 _last_input = InputMemo()  # the last activation quantized, for sibling layers
@@ -154,10 +159,7 @@ class Float8Linear(nn.Linear):
         if not torch.is_grad_enabled():  # inference: no Function; siblings share the input's quantization
             def x_q() -> Float8Blocks:
                 # column-major scales on CUDA: what cuBLAS's block-scaled GEMM reads (no copy before it)
-                return _last_input.get(x, spec.input, lambda: quantize(x2d, spec.input.block,
-                                                                       pow2_scale=spec.input.pow2_scale,
-                                                                       name=f"{self.fqn}.input",
-                                                                       col_major_scales=x2d.is_cuda))
+                return _last_input.get(x, spec.input, lambda: _quantize(x2d, spec.input, f"{self.fqn}.input"))
 
             group = self.projection_group
             if group is not None and group.applies(x, spec):

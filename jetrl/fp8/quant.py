@@ -190,7 +190,8 @@ def _check_out(out: Float8Blocks, x: torch.Tensor, block: tuple[int, int], name:
 
 
 def quantize_with_transpose(
-    x: torch.Tensor, *, pow2_scale: bool = False, check_finite: bool = False, name: str = "tensor"
+    x: torch.Tensor, *, pow2_scale: bool = False, check_finite: bool = False, name: str = "tensor",
+    col_major_scales: bool = False,
 ) -> tuple[Float8Blocks, Float8Blocks]:
     """``(quantize(x, (1, 128)), quantize(x.t(), (1, 128)))`` in one pass over ``x`` (M, K).
 
@@ -198,17 +199,19 @@ def quantize_with_transpose(
     dgrad, and 1x128 groups along the tokens M for wgrad. The result is *defined* as the two
     separate calls (same codes, same scales, bit for bit); on CUDA one fused kernel reads x
     once and writes both, instead of two passes and a strided read of x^T.
-    Recorders see ``name`` and ``name + "_t"``.
+    Recorders see ``name`` and ``name + "_t"``. ``col_major_scales``: both results' scales column-major (see
+    :func:`quantize`), as the GEMMs of a training step read them.
     """
     _validate(x, (1, BLOCK), name)
     if quant_backend(x.device) == "triton":
-        from jetrl.fp8.kernels.quant_triton import quantize_dual_triton
+        from jetrl.fp8.kernels.quant_triton import dual_fits, quantize_dual_triton
 
-        codes, scales, codes_t, scales_t = quantize_dual_triton(x, pow2_scale)
-        out = Float8Blocks(codes, scales, (1, BLOCK)), Float8Blocks(codes_t, scales_t, (1, BLOCK))
-        return _finish(out[0], check_finite, name), _finish(out[1], check_finite, f"{name}_t")
-    return (quantize(x, (1, BLOCK), pow2_scale=pow2_scale, check_finite=check_finite, name=name),
-            quantize(x.t(), (1, BLOCK), pow2_scale=pow2_scale, check_finite=check_finite, name=f"{name}_t"))
+        if dual_fits(x):
+            codes, scales, codes_t, scales_t = quantize_dual_triton(x, pow2_scale, col_major_scales=col_major_scales)
+            out = Float8Blocks(codes, scales, (1, BLOCK)), Float8Blocks(codes_t, scales_t, (1, BLOCK))
+            return _finish(out[0], check_finite, name), _finish(out[1], check_finite, f"{name}_t")
+    return tuple(quantize(t, (1, BLOCK), pow2_scale=pow2_scale, check_finite=check_finite, name=n,
+                          col_major_scales=col_major_scales) for t, n in ((x, name), (x.t(), f"{name}_t")))
 
 
 def _finish(out: Float8Blocks, check_finite: bool, name: str) -> Float8Blocks:

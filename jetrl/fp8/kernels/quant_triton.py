@@ -292,54 +292,80 @@ def quantize_triton(
 @triton.jit
 def _quantize_dual_kernel(
     x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr,
-    M, K, stride_xm, stride_xk, num_k_groups, num_m_groups,
-    POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr, CHUNK: tl.constexpr,
+    M, K, stride_xm, stride_xk, stride_sm, stride_sg, stride_tk, stride_tg,
+    POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr = 128,
 ):
     # One (128 m, 128 k) tile. Its rows are 1x128 groups of x: quantized at once. Then the tile is read again,
     # transposed, CHUNK k-columns at a time (from L2: DRAM sees x once): each such column is a 1x128 group of
-    # x^T, quantized by the same row function. No amax or code is moved between layouts: the transposed codes
-    # are computed where they are stored.
+    # x^T, quantized by the same row function. No amax crosses layouts (Triton still moves x^T's codes into the
+    # store's layout through shared memory: Nsight Compute's bank conflicts in docs/benchmarks.md (a)).
     pid_k, pid_m = tl.program_id(0), tl.program_id(1)
-    rows = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)  # int64 offsets (cols * M below)
-    cols = pid_k.to(tl.int64) * 128 + tl.arange(0, 128)
-    row_ok, col_ok = rows < M, cols < K
-    mask = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
-    code_bits, scale = _quantize_rows(x.to(tl.float32), POW2, EXPLICIT_ROUND, True)
-    tl.store(codes_ptr + rows[:, None] * K + cols[None, :], code_bits, mask=mask)
-    tl.store(scales_ptr + rows * num_k_groups + pid_k, scale, mask=row_ok)
+    m0, k0 = pid_m.to(tl.int64) * 128, pid_k.to(tl.int64) * 128
+    # int64 only in the tile's base pointers; offsets inside a tile are int32 (the launcher bounds 128 rows of x and
+    # of x^T's codes below 2^31 elements): 64-bit addresses per element cost registers, and registers bound how
+    # many tiles an SM holds
+    x_tile = x_ptr + m0 * stride_xm + k0 * stride_xk
+    cols = tl.arange(0, 128)
+    col_ok = cols < K - k0
+    for r in range(128 // ROWS):  # the tile's rows, ROWS at a time (fewer live registers: more tiles per SM)
+        rows_r = r * ROWS + tl.arange(0, ROWS)
+        row_ok_r = rows_r < M - m0
+        mask = row_ok_r[:, None] & col_ok[None, :]
+        x = tl.load(x_tile + rows_r[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+        code_bits, scale = _quantize_rows(x.to(tl.float32), POW2, EXPLICIT_ROUND, True)
+        tl.store(codes_ptr + m0 * K + k0 + rows_r[:, None] * K + cols[None, :], code_bits, mask=mask)
+        tl.store(scales_ptr + m0 * stride_sm + pid_k.to(tl.int64) * stride_sg + rows_r * stride_sm, scale, mask=row_ok_r)
+    rows = tl.arange(0, 128)
+    row_ok = rows < M - m0
     for c in range(128 // CHUNK):
-        kc = pid_k.to(tl.int64) * 128 + c * CHUNK + tl.arange(0, CHUNK)
-        mask_t = (kc < K)[:, None] & row_ok[None, :]
-        xt = tl.load(x_ptr + rows[None, :] * stride_xm + kc[:, None] * stride_xk, mask=mask_t, other=0.0)
+        kc = c * CHUNK + tl.arange(0, CHUNK)
+        kc_ok = kc < K - k0
+        mask_t = kc_ok[:, None] & row_ok[None, :]
+        xt = tl.load(x_tile + rows[None, :] * stride_xm + kc[:, None] * stride_xk, mask=mask_t, other=0.0)
         code_bits_t, scale_t = _quantize_rows(xt.to(tl.float32), POW2, EXPLICIT_ROUND, True)
-        tl.store(codes_t_ptr + kc[:, None] * M + rows[None, :], code_bits_t, mask=mask_t)
-        tl.store(scales_t_ptr + kc * num_m_groups + pid_m, scale_t, mask=kc < K)
+        tl.store(codes_t_ptr + k0 * M + m0 + kc[:, None] * M + rows[None, :], code_bits_t, mask=mask_t)
+        tl.store(scales_t_ptr + k0 * stride_tk + pid_m.to(tl.int64) * stride_tg + kc * stride_tk, scale_t, mask=kc_ok)
+
+
+def dual_fits(x: torch.Tensor) -> bool:
+    """Whether ``_quantize_dual_kernel``'s int32 in-tile offsets hold for x (M, K): 128 rows of x, of its codes and of
+    x^T's codes stay below 2^31 elements (any M and K below ~16.7M). Else quantize in two passes (the same bits)."""
+    return 128 * max(x.shape[0], x.shape[1], abs(x.stride(0)), abs(x.stride(1))) < 2**31
 
 
 def quantize_dual_triton(
-    x: torch.Tensor, pow2_scale: bool, *, chunk: int = 128, num_warps: int = 8
+    x: torch.Tensor, pow2_scale: bool, *, col_major_scales: bool = False, chunk: int = 32, rows: int = 64,
+    num_warps: int = 4, **launch
 ) -> tuple[torch.Tensor, ...]:
     """Same result as ``(*quantize_reference(x, 1, 128, p), *quantize_reference(x.t(), 1, 128, p))``.
 
-    ``chunk`` / ``num_warps``: the best of bench/sweep_quant_dual_v2.py on the H200 at the trainer's shapes. On
-    the GPU alone (CUDA graphs) it runs at 2.23 TB/s, ~1.08x the two single-layout passes it replaces (3.78 and 2.64
-    TB/s, run BK), 1.25x what it did with the clamp and NaN select before the cast (run BI) and ~1.4x the kernel
-    before it (which moved the x^T codes between layouts byte by byte through shared memory); one launch instead of
-    two also pays in eager training, where the host is the bottleneck at small shapes -- docs/benchmarks.md (a).
+    ``chunk`` / ``rows`` / ``num_warps`` (``launch``: further launch options, e.g. ``maxnreg``): the best of
+    bench/sweep_quant_dual_v2.py on the H200 at the trainer's shapes, 1.02-1.04x the 128 / 128 / 8 warps before it
+    (runs DM, DN; ~2.2-2.4 TB/s). Nsight Compute (run DL, bench/ncu_kernels.py) shows what bounds it: registers
+    hold it to 4 warps per scheduler (25% occupancy), and the transposed half moves its codes between layouts
+    through shared memory with bank conflicts; capping the registers spills and is slower (DM, DN).
+    Against the two single-layout passes it replaces it is 1.06-1.09x on the GPU alone, and one launch instead of two
+    also pays in eager training, where the host is the bottleneck at small shapes -- docs/benchmarks.md (a).
 
-    Returns (codes (M, K), scales (M, K/128), codes_t (K, M), scales_t (K, M/128)), row-major.
+    Returns (codes (M, K), scales (M, K/128), codes_t (K, M), scales_t (K, M/128)): codes row-major, scales
+    row-major or, with ``col_major_scales``, column-major -- the layout cuBLAS's block-scaled GEMM reads (no copy
+    before it; as ``quantize(col_major_scales=True)``), and one the kernel stores 128 contiguous scales of.
     """
-    assert x.dim() == 2, x.shape
+    assert x.dim() == 2 and dual_fits(x), (x.shape, x.stride())
     m, k = x.shape
     num_m_groups, num_k_groups = triton.cdiv(m, 128), triton.cdiv(k, 128)
+
+    def scale_buffer(rows_: int, groups: int) -> torch.Tensor:
+        if col_major_scales:
+            return torch.empty((groups, rows_), dtype=torch.float32, device=x.device).t()
+        return torch.empty((rows_, groups), dtype=torch.float32, device=x.device)
+
     codes = torch.empty((m, k), dtype=E4M3, device=x.device)
-    scales = torch.empty((m, num_k_groups), dtype=torch.float32, device=x.device)
     codes_t = torch.empty((k, m), dtype=E4M3, device=x.device)
-    scales_t = torch.empty((k, num_m_groups), dtype=torch.float32, device=x.device)
+    scales, scales_t = scale_buffer(m, num_k_groups), scale_buffer(k, num_m_groups)
     _quantize_dual_kernel[(num_k_groups, num_m_groups)](
         x, codes.view(torch.uint8), scales, codes_t.view(torch.uint8), scales_t,
-        m, k, x.stride(0), x.stride(1), num_k_groups, num_m_groups, POW2=pow2_scale,
-        EXPLICIT_ROUND=explicit_round(), CHUNK=chunk, num_warps=num_warps,
+        m, k, x.stride(0), x.stride(1), *scales.stride(), *scales_t.stride(), POW2=pow2_scale,
+        EXPLICIT_ROUND=explicit_round(), CHUNK=chunk, ROWS=rows, num_warps=num_warps, **launch,
     )
     return codes, scales, codes_t, scales_t
