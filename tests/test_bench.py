@@ -139,6 +139,8 @@ def test_torchao_baseline_is_optional_and_never_breaks_the_run(flag, tmp_path, c
     rows = json.loads((tmp_path / "bench.json").read_text())["sections"]["b"]["rows"]
     fwd_bwd = [r for r in rows if r["name"].startswith("Float8Linear fwd+bwd")]
     assert len(fwd_bwd) == 4
+    # each row says how long the host takes to issue a call (an eager row is host-bound where that is its time)
+    assert all(r["host_ms_fp8"] > 0 and r["host_ms_bf16"] > 0 and "ms per FP8 call" in r["note"] for r in fwd_bwd)
     for row in fwd_bwd:
         if flag:
             assert row["torchao"].startswith("torchao ") and "off" not in row["torchao"], row["torchao"]
