@@ -1,6 +1,6 @@
 """How ``jetrl bench`` measures time and bytes: CUDA events, CUDA-graph replay, the bytes floor.
 
-Three clocks, each for a kind of work (all report the *median* of repeated runs):
+Four clocks, each for a kind of work (the first two report the *median* of repeated runs):
 
 * :func:`time_ms` -- a CUDA event pair around ``back_to_back`` calls (after ``warmup``
   untimed calls), divided by ``back_to_back``. With one call per pair, the host's launch work
