@@ -22,13 +22,12 @@ import cProfile
 import json
 import os
 import pstats
-import time
 
 import torch
 from torch import nn
 
 from jetrl.bench.shapes import h200_config
-from jetrl.bench.timing import time_ms
+from jetrl.bench.timing import host_and_device_ms, time_ms
 from jetrl.fp8 import linear as linear_module
 from jetrl.fp8.kernels import quant_triton
 from jetrl.fp8.linear import Float8Linear, clear_shared_input
@@ -39,45 +38,25 @@ TOKENS, CALLS = 8192, 20
 OLD_GRID = {"chunk": 128, "rows": 128, "num_warps": 8}  # quantize_dual_triton's launch grid before run DM
 
 
+@contextlib.contextmanager
+def forced(module, names: tuple[str, ...], **kwargs):
+    """``module``'s functions ``names`` called with ``kwargs`` over the caller's own (restored on exit): the scales'
+    layout before run DT (``col_major_scales=False`` in jetrl/fp8/linear.py), the quantizer's launch grid before DM."""
+    saved = {n: getattr(module, n) for n in names}
+    for n, fn in saved.items():
+        setattr(module, n, lambda *args, fn=fn, **kw: fn(*args, **{**kw, **kwargs}))
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(module, n, fn)
+
+
 def host_and_gpu_ms(run) -> tuple[float, float]:
-    """(host ms per call while issuing CALLS calls back to back, GPU ms per call over them)."""
+    """(host, GPU) ms per call over CALLS calls issued back to back, after 3 warm-up calls."""
     for _ in range(3):
         run()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    t0 = time.perf_counter()
-    for _ in range(CALLS):
-        run()
-    host = (time.perf_counter() - t0) * 1e3 / CALLS
-    end.record()
-    end.synchronize()
-    return host, start.elapsed_time(end) / CALLS
-
-
-@contextlib.contextmanager
-def row_major_scales():
-    """Float8Linear with row-major activation and gradient scales (the layout before run DT)."""
-    quantize, with_transpose = linear_module.quantize, linear_module.quantize_with_transpose
-    def row_major(fn):
-        return lambda *args, **kwargs: fn(*args, **{**kwargs, "col_major_scales": False})
-
-    linear_module.quantize, linear_module.quantize_with_transpose = row_major(quantize), row_major(with_transpose)
-    try:
-        yield
-    finally:
-        linear_module.quantize, linear_module.quantize_with_transpose = quantize, with_transpose
-
-
-@contextlib.contextmanager
-def dual_grid(**grid):
-    """quantize_dual_triton launched with ``grid`` (the shipped defaults with none)."""
-    shipped = quant_triton.quantize_dual_triton
-    quant_triton.quantize_dual_triton = lambda *args, **kwargs: shipped(*args, **{**kwargs, **grid})
-    try:
-        yield
-    finally:
-        quant_triton.quantize_dual_triton = shipped
+    return host_and_device_ms(run, DEV, calls=CALLS)
 
 
 def grid_ratios(bf16_run, fp8_run) -> dict:
@@ -86,7 +65,7 @@ def grid_ratios(bf16_run, fp8_run) -> dict:
     bf16_ms = time_ms(bf16_run, **timer)
     fp8_ms = {"old": [], "new": []}
     for label in ("old", "new", "new", "old"):
-        with dual_grid(**(OLD_GRID if label == "old" else {})):
+        with forced(quant_triton, ("quantize_dual_triton",), **(OLD_GRID if label == "old" else {})):
             fp8_ms[label].append(time_ms(fp8_run, **timer))
     return {f"ratio_{label}_grid": bf16_ms / (sum(ms) / 2) for label, ms in fp8_ms.items()}
 
@@ -122,7 +101,7 @@ def main() -> None:
             torch.cuda.set_sync_debug_mode("default")
         for label, mod in (("bf16", bf16), ("fp8", fp8)):
             row[f"{label}_host_ms"], row[f"{label}_gpu_ms"] = host_and_gpu_ms(fwd_bwd(mod))
-        with row_major_scales():
+        with forced(linear_module, ("quantize", "quantize_with_transpose"), col_major_scales=False):
             row["fp8_rowmajor_host_ms"], row["fp8_rowmajor_gpu_ms"] = host_and_gpu_ms(fwd_bwd(fp8))
         if os.environ.get("GRIDS"):
             row.update(grid_ratios(fwd_bwd(bf16), fwd_bwd(fp8)))

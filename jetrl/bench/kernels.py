@@ -41,7 +41,7 @@ from torch import nn
 from jetrl.bench.checks import GEMM_REL_ERR_MAX, LINEAR_SQNR_MIN_DB, bit_equal, rel_err, sqnr_db, status
 from jetrl.bench.report import error_row, guarded, set_target
 from jetrl.bench.shapes import BenchConfig
-from jetrl.bench.timing import HBM_BYTES_PER_S, graph_time_us, host_ms, tb_per_s, time_ms
+from jetrl.bench.timing import HBM_BYTES_PER_S, graph_time_us, host_and_device_ms, tb_per_s, time_ms
 from jetrl.bench.torchao_baseline import OFF as TORCHAO_OFF
 from jetrl.bench.torchao_baseline import torchao_fields
 from jetrl.fp8 import Float8Blocks, Float8Linear, fp8_gemm, gemm_emulated, get_recipe, override_backend, quantize
@@ -220,7 +220,7 @@ def _linear_rows(cfg: BenchConfig, device: torch.device, name: str, m: int, k: i
         fwd_bf16, fwd_fp8 = time_ms(fwd(bf16), **timer), time_ms(fwd(fp8), **timer)
     fb_bf16, fb_fp8 = time_ms(fwd_bwd(bf16), **timer), time_ms(fwd_bwd(fp8), **timer)
     # the host's time per eager call: where the FP8 call's is about its fwd+bwd time, the GPU waited on the host
-    host_bf16, host_fp8 = (host_ms(fwd_bwd(mod), device, calls=cfg.back_to_back) for mod in (bf16, fp8))
+    host_bf16, host_fp8 = (host_and_device_ms(fwd_bwd(mod), device, calls=cfg.back_to_back)[0] for mod in (bf16, fp8))
     # the three FP8 GEMMs on pre-quantized operands, against the three BF16 GEMMs
     wq = fp8.weight_cache.get(fp8.weight, recipe.train.weight)
     xq, dyq, dytq, xtq, wtq = quantize(x), quantize(dy), quantize(dy.t()), quantize(x.t()), wq.t()

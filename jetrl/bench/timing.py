@@ -14,8 +14,8 @@ Four clocks, each for a kind of work (the first two report the *median* of repea
   per-call time is replay time / ``calls``.
 * :func:`wall_s` -- whole phases with host work inside (a rollout, a training step): the host
   wall clock between two device synchronizations.
-* :func:`host_ms` -- the host's own time per call while it issues calls without waiting: next to
-  :func:`time_ms`, whether a row is bound by the host rather than the GPU.
+* :func:`host_and_device_ms` -- the host's own time per call while it issues calls without waiting,
+  and the device's over the same calls: whether they are bound by the host rather than the GPU.
 
 On CPU (``jetrl bench --smoke``) every clock falls back to ``time.perf_counter`` around eager
 calls: the numbers exercise the code paths and are otherwise meaningless.
@@ -98,19 +98,26 @@ def graph_time_us(fn: Callable[[], object], device: torch.device, *, calls: int,
         del graph
 
 
-def host_ms(fn: Callable[[], object], device: torch.device, *, calls: int) -> float:
-    """Host ms per call while ``calls`` calls are issued back to back without waiting (after a synchronization).
-
-    Against :func:`time_ms` of the same calls it tells whether they are host-bound: on the GPU the host enqueues
-    and runs ahead, so when this is about the GPU time per call, the GPU waited on the host (bench (b): an eager
-    Float8Linear fwd+bwd issues ~1 ms of host work, BF16's ~0.2 ms). On CPU both are the same wall clock."""
+def host_and_device_ms(fn: Callable[[], object], device: torch.device, *, calls: int) -> tuple[float, float]:
+    """(host ms, device ms) per call of ``calls`` calls issued back to back without waiting, after a synchronization:
+    the host's own time to issue them, and the time until the device has run them (CUDA events around the same
+    calls). Where the two are about equal, the calls are host-bound: on the GPU the host enqueues and runs ahead,
+    so the device waited on it (bench (b): an eager Float8Linear fwd+bwd issues ~1 ms of host work, BF16's ~0.2 ms).
+    On CPU both are the same wall clock."""
+    calls = max(calls, 1)
     synchronize(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
     t0 = time.perf_counter()
-    for _ in range(max(calls, 1)):
+    for _ in range(calls):
         fn()
-    elapsed = time.perf_counter() - t0
-    synchronize(device)
-    return elapsed * 1e3 / max(calls, 1)
+    host = (time.perf_counter() - t0) * 1e3 / calls
+    if device.type != "cuda":
+        return host, host
+    end.record()
+    end.synchronize()
+    return host, start.elapsed_time(end) / calls
 
 
 def wall_s(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:

@@ -122,12 +122,12 @@ def _gemm_exact(a: Float8Blocks, b: Float8Blocks, out_dtype: torch.dtype) -> tor
                            "mode (jetrl.exact.use_exact(False)) on this machine")
     if _exact_takes_gluon(b):
         from jetrl.fp8.kernels.gemm_gluon import gemm_mid_m
-        from jetrl.fp8.kernels.gluon_tiles import GluonConfig, operand_problem
+        from jetrl.fp8.kernels.gluon_tiles import GluonConfig, tma_problem
 
         m, n, k = a.shape[0], b.shape[0], a.shape[1]
         # codes TMA cannot read (a misaligned or strided view) are copied: the kernel never changes with the layout
-        a_codes, b_codes = (t if operand_problem(t, t) is None else t.clone(memory_format=torch.contiguous_format)
-                            for t in (a.codes, b.codes))
+        a_codes, b_codes = (t if tma_problem(name, t) is None else t.clone(memory_format=torch.contiguous_format)
+                            for name, t in (("a", a.codes), ("b", b.codes)))
         tiles = gluon_tiles(m, n, k) if m <= 256 else GluonConfig(*EXACT_GLUON_LARGE)
         return gemm_mid_m(a_codes, a.scales, b_codes, b.scales, out_dtype, tiles)
     from jetrl.fp8.kernels.gemm_exact_triton import gemm_exact

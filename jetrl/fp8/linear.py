@@ -158,7 +158,6 @@ class Float8Linear(nn.Linear):
         x2d = x.reshape(-1, self.in_features)
         if not torch.is_grad_enabled():  # inference: no Function; siblings share the input's quantization
             def x_q() -> Float8Blocks:
-                # column-major scales on CUDA: what cuBLAS's block-scaled GEMM reads (no copy before it)
                 return _last_input.get(x, spec.input, lambda: _quantize(x2d, spec.input, f"{self.fqn}.input"))
 
             group = self.projection_group

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from jetrl.fp8.kernels.gemm_triton import scaled_group_product
 from jetrl.fp8.kernels.split_k import k_splits, merge_splits, split_buffers
 
 # fixed: part of the arithmetic (the tile; S, the K runs per layer)
@@ -58,19 +59,10 @@ def _gemm_exact_kernel(
     s, end = pid_k * runs, (pid_k + 1) * runs
     while s < end:  # a while loop: the interpreter's range() cannot take a runtime bound
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for i in range(GROUPS_PER_SPLIT):
-            g = s * GROUPS_PER_SPLIT + i
-            k = g * 128 + offs_k
-            k_ok = k < K  # also false for a whole group past K (the last run may be short)
-            a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            b = tl.load(b_ptr + cols[:, None] * stride_bn + k[None, :], mask=col_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            group_ok = g * 128 < K
-            sa = tl.load(sa_ptr + rows * stride_sam + g * stride_sak, mask=row_ok & group_ok, other=0.0)
-            sb = tl.load(sb_ptr + (cols // 128) * stride_sbn + g, mask=col_ok & group_ok, other=0.0)
-            partial = tl.dot(a, tl.trans(b), out_dtype=tl.float32)  # (BLOCK_M, BLOCK_N), exact products
-            acc += partial * sa[:, None] * sb[None, :]
+        for i in range(GROUPS_PER_SPLIT):  # the small-M kernel's group term, on a fixed tile
+            acc += scaled_group_product(a_ptr, sa_ptr, b_ptr, sb_ptr, rows, cols, row_ok, col_ok, offs_k,
+                                        s * GROUPS_PER_SPLIT + i, K, stride_am, stride_bn, stride_sam, stride_sak,
+                                        stride_sbn)
         total += acc
         s += 1
     tile_mask = row_ok[:, None] & col_ok[None, :]

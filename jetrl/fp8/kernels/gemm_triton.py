@@ -59,6 +59,22 @@ def small_m_config(m: int, n: int, k: int) -> SmallMConfig:
 
 
 @triton.jit
+def scaled_group_product(a_ptr, sa_ptr, b_ptr, sb_ptr, rows, cols, row_ok, col_ok, offs_k, g, K, stride_am, stride_bn,
+                         stride_sam, stride_sak, stride_sbn):
+    """K-group ``g``'s term of the module docstring's sum for a (rows, cols) tile: one FP8 tensor-core dot (exact
+    products, fp32 accumulation) scaled by ``sa[rows, g] * sb[cols // 128, g]``. A group past K (the last split may be
+    short) gives 0. Shared with exact mode's kernel (gemm_exact_triton.py)."""
+    k = g * 128 + offs_k
+    k_ok = k < K
+    a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    b = tl.load(b_ptr + cols[:, None] * stride_bn + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+    group_ok = g * 128 < K
+    sa = tl.load(sa_ptr + rows * stride_sam + g * stride_sak, mask=row_ok & group_ok, other=0.0)
+    sb = tl.load(sb_ptr + (cols // 128) * stride_sbn + g, mask=col_ok & group_ok, other=0.0)
+    return tl.dot(a, tl.trans(b), out_dtype=tl.float32) * sa[:, None] * sb[None, :]
+
+
+@triton.jit
 def _gemm_small_m_kernel(
     a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, work_ptr, count_ptr,
     M, N, K, stride_am, stride_bn, stride_sam, stride_sak, stride_sbn, stride_om,
@@ -71,16 +87,9 @@ def _gemm_small_m_kernel(
     row_ok, col_ok = rows < M, cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(GROUPS_PER_SPLIT):
-        g = pid_k * GROUPS_PER_SPLIT + i
-        k = g * 128 + offs_k
-        k_ok = k < K  # also false for a whole group past K (the last split may be short)
-        a = tl.load(a_ptr + rows[:, None] * stride_am + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptr + cols[:, None] * stride_bn + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        group_ok = g * 128 < K
-        sa = tl.load(sa_ptr + rows * stride_sam + g * stride_sak, mask=row_ok & group_ok, other=0.0)
-        sb = tl.load(sb_ptr + (cols // 128) * stride_sbn + g, mask=col_ok & group_ok, other=0.0)
-        partial = tl.dot(a, tl.trans(b), out_dtype=tl.float32)  # (BLOCK_M, BLOCK_N), exact products
-        acc += partial * sa[:, None] * sb[None, :]
+        acc += scaled_group_product(a_ptr, sa_ptr, b_ptr, sb_ptr, rows, cols, row_ok, col_ok, offs_k,
+                                    pid_k * GROUPS_PER_SPLIT + i, K, stride_am, stride_bn, stride_sam, stride_sak,
+                                    stride_sbn)
     tile_id = pid_m * tl.num_programs(0) + pid_n
     out = out_ptr + rows[:, None] * stride_om + cols[None, :]
     work = work_ptr + rows[:, None] * N + cols[None, :]

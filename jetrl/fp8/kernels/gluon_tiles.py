@@ -45,8 +45,12 @@ def operand_problem(a_codes: torch.Tensor, b_codes: torch.Tensor) -> str | None:
     k = a_codes.shape[1]
     if k % K_MULTIPLE:
         return f"K must be a multiple of {K_MULTIPLE}, got an {tuple(a_codes.shape)} x {tuple(b_codes.shape)} GEMM"
-    for name, t in (("a", a_codes), ("b", b_codes)):
-        if t.stride(1) != 1 or t.data_ptr() % 16 or t.stride(0) % 16:
-            return (f"TMA reads {name}'s codes: they need unit column stride and a 16-byte aligned base and row "
-                    f"stride (got strides {tuple(t.stride())}); pass .contiguous() codes")
+    return tma_problem("a", a_codes) or tma_problem("b", b_codes)
+
+
+def tma_problem(name: str, codes: torch.Tensor) -> str | None:
+    """Why TMA cannot read these codes (unit column stride, 16-byte aligned base and row stride), or None."""
+    if codes.stride(1) != 1 or codes.data_ptr() % 16 or codes.stride(0) % 16:
+        return (f"TMA reads {name}'s codes: they need unit column stride and a 16-byte aligned base and row "
+                f"stride (got strides {tuple(codes.stride())}); pass .contiguous() codes")
     return None

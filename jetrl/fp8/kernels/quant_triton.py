@@ -314,7 +314,8 @@ def _quantize_dual_kernel(
         x = tl.load(x_tile + rows_r[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
         code_bits, scale = _quantize_rows(x.to(tl.float32), POW2, EXPLICIT_ROUND, True)
         tl.store(codes_ptr + m0 * K + k0 + rows_r[:, None] * K + cols[None, :], code_bits, mask=mask)
-        tl.store(scales_ptr + m0 * stride_sm + pid_k.to(tl.int64) * stride_sg + rows_r * stride_sm, scale, mask=row_ok_r)
+        scales_tile = scales_ptr + m0 * stride_sm + pid_k.to(tl.int64) * stride_sg
+        tl.store(scales_tile + rows_r * stride_sm, scale, mask=row_ok_r)
     rows = tl.arange(0, 128)
     row_ok = rows < M - m0
     for c in range(128 // CHUNK):
