@@ -121,6 +121,19 @@ with override_backend("triton"):
 x = torch.randn(96, 256)
 fused = quantize_with_transpose(x)
 assert torch.equal(bits(fused[1].codes), bits(quantize_reference(x.t(), 1, 128, False)[0]))
+# sibling gradients quantized straight into their columns of one stacked dY (out= / out_col=, one launch each):
+# the codes and scales of quantizing the concatenation, in both layouts and both scale layouts; a part may be a
+# strided view and the last part partial
+from jetrl.fp8.quant import quantize_columns_with_transpose
+parts = [torch.randn(130, 256), torch.randn(256, 130).t(), torch.randn(130, 100)]
+whole = torch.cat(parts, dim=1)
+for col_major in (False, True):
+    for pow2 in (False, True):
+        got = quantize_columns_with_transpose(parts, pow2_scale=pow2, col_major_scales=col_major)
+        want = quantize_with_transpose(whole, pow2_scale=pow2, col_major_scales=col_major)
+        for g, w in zip(got, want):
+            assert g.scales.stride() == w.scales.stride(), (g.scales.stride(), w.scales.stride())
+            assert torch.equal(bits(g.codes), bits(w.codes)) and torch.equal(bits(g.scales), bits(w.scales))
 print("OK")
 """
 

@@ -13,7 +13,7 @@ import torch
 from jetrl.fp8 import convert_to_float8, get_recipe, precision_phase
 from jetrl.fp8.linear import Float8Linear
 from jetrl.fp8.projection_group import ProjectionGroup, install_projection_groups
-from jetrl.fp8.quant import quantize
+from jetrl.fp8.quant import quantize, record_quantization
 from jetrl.models import CausalLM, ModelConfig
 
 CFG = ModelConfig(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -94,11 +94,66 @@ def test_stacked_path_gives_the_separate_gemms_logits(monkeypatch):
     assert len(calls) == 5 * CFG.num_hidden_layers
     assert all(g._memo._value is None for g in _groups(model).values())  # nothing held after the last member
     torch.testing.assert_close(stacked, separate, rtol=1e-5, atol=1e-5)
-    # with autograd on, members run their own GEMMs (each has its own backward)
+    # with autograd on, the inference path is not taken (training's stacked Function is CUDA-only: the next test)
     calls.clear()
     with precision_phase("train"):
         model(ids).sum().backward()
     assert not calls and model.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+def _train(model, ids):
+    with precision_phase("train"), record_quantization() as log:
+        logits = model(ids)
+        logits.float().square().mean().backward()
+    return logits.detach(), [name for name, _ in log]
+
+
+def test_stacked_training_matches_separate_members():
+    """In training the siblings are one autograd Function (CUDA; widened to the CPU here): the logits bit for bit,
+    every gradient within the rounding of dX (one GEMM instead of a sum of rounded ones), one gradient
+    quantization per group, and nothing held after the last member."""
+    ids = torch.randint(0, CFG.vocab_size, (3, 9))
+    separate, stacked = _model(), _model()
+    for group in _groups(stacked).values():
+        group.devices = ("cuda", "cpu")
+    want, want_names = _train(separate, ids)
+    got, got_names = _train(stacked, ids)
+    assert torch.equal(got, want)
+    for (name, p), q in zip(separate.named_parameters(), stacked.parameters()):
+        assert float((q.grad - p.grad).norm() / p.grad.norm()) < 1e-2, name
+    grads = [n for n in got_names if n.endswith(".grad_output")]
+    assert len(grads) == 4 * CFG.num_hidden_layers  # qkv, o, gate_up, down (7 separate members)
+    assert "model.layers.0.self_attn.{q_proj,k_proj,v_proj}.grad_output" in grads
+    assert len([n for n in want_names if n.endswith(".grad_output")]) == 7 * CFG.num_hidden_layers
+    # the inputs' quantizations are the separate members' ones, call for call
+    assert [n for n in got_names if ".input" in n] == [n for n in want_names if ".input" in n]
+    assert all(g._memo._value is None for g in _groups(stacked).values())
+    # a second step after one update of both (the same step): the stacked weight and its W^T follow the new weights
+    with torch.no_grad():
+        for p, q in zip(separate.parameters(), stacked.parameters()):
+            step = 0.01 * p.grad.sign()
+            p.add_(step)
+            q.add_(step)
+            p.grad = q.grad = None
+    want, _ = _train(separate, ids)
+    got, _ = _train(stacked, ids)
+    assert torch.equal(got, want)
+    for (name, p), q in zip(separate.named_parameters(), stacked.parameters()):
+        assert float((q.grad - p.grad).norm() / p.grad.norm()) < 1e-2, name
+
+
+def test_stacked_training_falls_back_where_it_cannot_apply():
+    """A frozen member, or a recipe whose gradient layouts differ, trains the members separately."""
+    model = _model()
+    group = model.model.layers[0].mlp.gate_proj.projection_group
+    group.devices = ("cuda", "cpu")
+    x = torch.randn(5, CFG.hidden_size)
+    spec = group.members[0].precision()
+    assert group.trains(x, spec)
+    group.members[1].weight.requires_grad_(False)
+    assert not group.trains(x, spec)
+    group.members[1].weight.requires_grad_(True)
+    assert not group.trains(torch.randn(5, CFG.hidden_size, device="meta"), spec)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -116,6 +171,38 @@ def test_stacked_path_on_cuda():
                 m.projection_group = None
         separate = model(ids).float()
     assert float((stacked - separate).norm() / separate.norm()) < 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_stacked_training_on_cuda():
+    """On CUDA the members train as one Function by default. Its gradients are FP8 gradients like the separate
+    members' (each quantization of dY moves them by ~3%, SQNR 29 dB, so the two differ by that much), so both are
+    held to the BF16 model's: the stacked ones no further from it than the separate ones."""
+    ids = torch.randint(0, CFG.vocab_size, (4, 64), device="cuda")
+    results = {}
+    for arm in ("bf16", "separate", "stacked"):
+        torch.manual_seed(0)
+        model = convert_to_float8(CausalLM(CFG).to("cuda", torch.bfloat16), get_recipe("bf16" if arm == "bf16" else "jet"))
+        if arm == "separate":
+            for m in model.modules():
+                if isinstance(m, Float8Linear):
+                    m.projection_group = None
+        logits, names = _train(model, ids)
+        results[arm] = logits.float(), {n: p.grad.float() for n, p in model.named_parameters()}, names
+    assert "model.layers.0.self_attn.{q_proj,k_proj,v_proj}.grad_output" in results["stacked"][2]
+    assert not any("{" in n for n in results["separate"][2])
+    ref_logits, ref_grads, _ = results["bf16"]
+
+    def errors(arm):
+        logits, grads, _ = results[arm]
+        return (float((logits - ref_logits).norm() / ref_logits.norm()),
+                {n: float((grads[n] - g).norm() / g.norm()) for n, g in ref_grads.items()})
+
+    (sep_logits, sep), (stk_logits, stk) = errors("separate"), errors("stacked")
+    assert stk_logits < 1.2 * sep_logits + 1e-3
+    assert sum(stk.values()) < 1.1 * sum(sep.values()), (sum(stk.values()), sum(sep.values()))
+    for name in ref_grads:
+        assert stk[name] < 1.5 * sep[name] + 1e-2, (name, stk[name], sep[name])
 
 
 def test_inference_mode_inputs_take_the_plain_path():

@@ -18,9 +18,9 @@ One ``autograd.Function`` holds the whole layer (y = x W^T; M tokens, K in, N ou
   quantize it once (input_memo.py: a hit is the same tensor object, unmodified, with the same spec;
   the codes are those a fresh call would produce). In training they also save one X^T for their
   three (two) wgrads: per layer and micro-batch, 4 passes over inputs instead of 7, and 3 fewer
-  saved copies of X^T. Without autograd (the rollout, old-logprob passes) there is no Function,
-  and on CUDA such siblings also run as one GEMM over their stacked weight codes
-  (projection_group.py).
+  saved copies of X^T. On CUDA such siblings also run as one GEMM over their stacked weight codes
+  (projection_group.py): without autograd (the rollout, old-logprob passes) with no Function at all,
+  in training as one Function (``_StackedFloat8LinearFn``) whose backward is one dgrad and one wgrad.
 
 Which precision a call uses comes from the module's :class:`~jetrl.fp8.recipe.Recipe` and
 the current phase (``precision_phase("rollout")`` in the engine): under ``jet`` both phases
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from jetrl.fp8.gemm import fp8_gemm
 from jetrl.fp8.input_memo import InputMemo
-from jetrl.fp8.quant import BLOCK, Float8Blocks, quantize, quantize_with_transpose
+from jetrl.fp8.quant import BLOCK, Float8Blocks, quantize, quantize_columns_with_transpose, quantize_with_transpose
 from jetrl.fp8.recipe import LinearPrecision, QuantSpec, Recipe, current_phase
 from jetrl.fp8.weight_cache import WeightCache
 
@@ -85,6 +85,37 @@ class _Float8LinearFn(torch.autograd.Function):
             # fp32 accumulation, rounded once to the master weight's dtype by the GEMM itself
             grad_w = fp8_gemm(dyt_q, xt_q, out_dtype=weight.dtype, batch_invariant=False)  # (N, K)
         return grad_x, grad_w, None, None, None, None
+
+
+class _StackedFloat8LinearFn(torch.autograd.Function):
+    """Sibling projections (q/k/v, gate/up) in training as one Function over their stacked weight (the math is in
+    projection_group.py): returns each member's (M, n_i) output, a column block of one fprop GEMM; backward
+    quantizes the members' gradients into one stacked dY, runs one dgrad against W_s^T and one wgrad whose row
+    blocks are the members' dW."""
+
+    @staticmethod
+    def forward(ctx, x2d, group, spec: LinearPrecision, x_both: tuple[Float8Blocks, Float8Blocks], *weights):
+        x_q, xt_q = x_both
+        ctx.group, ctx.spec, ctx.x_dtype = group, spec, x2d.dtype
+        ctx.save_for_backward(xt_q.codes, xt_q.scales, *weights)  # X^T (K, M) in FP8, shared by the members' wgrads
+        y = fp8_gemm(x_q, group.stacked_weight(spec.weight), out_dtype=x2d.dtype)  # (M, N_total)
+        return tuple(y[:, o:o + n] for o, n in group.columns())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        spec, group = ctx.spec, ctx.group
+        xt_codes, xt_scales, *weights = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[4:])
+        dy_q, dyt_q = quantize_columns_with_transpose(grads, pow2_scale=spec.grad_output.pow2_scale,
+                                                      name=f"{group.name}.grad_output", col_major_scales=grads[0].is_cuda)
+        grad_x = grad_ws = None
+        if need_dx:  # (M, K): one GEMM over every member's columns, rounded once
+            grad_x = fp8_gemm(dy_q, group.stacked_weight_t(spec.weight), out_dtype=ctx.x_dtype, batch_invariant=False)
+        if need_dw:  # (N_total, K): member i's dW is its row block
+            dw = fp8_gemm(dyt_q, Float8Blocks(xt_codes, xt_scales, spec.wgrad.block), out_dtype=weights[0].dtype,
+                          batch_invariant=False)
+            grad_ws = [dw[o:o + n] for o, n in group.columns()]
+        return grad_x, None, None, None, *(grad_ws or [None] * len(weights))
 
 
 def _quantize_both(t: torch.Tensor, rows: QuantSpec, tokens: QuantSpec, name: str) -> tuple[Float8Blocks, Float8Blocks]:
@@ -172,7 +203,12 @@ class Float8Linear(nn.Linear):
             # siblings (q/k/v, gate/up) share X's two layouts: one pass, and one saved X^T for their wgrads
             x_both = _last_input.get(x, ("fprop+wgrad", spec.input, spec.wgrad),
                                      lambda: _quantize_both(x2d, spec.input, spec.wgrad, f"{self.fqn}.input"))
-        y = _Float8LinearFn.apply(x2d, self.weight, self.weight_cache, spec, self.fqn, x_both)
+        group = self.projection_group
+        if x_both is not None and group is not None and group.trains(x, spec):  # siblings: one Function (CUDA)
+            y = group.train_output(self, x, spec, lambda: _StackedFloat8LinearFn.apply(
+                x2d, group, spec, x_both, *(m.weight for m in group.members)))
+        else:
+            y = _Float8LinearFn.apply(x2d, self.weight, self.weight_cache, spec, self.fqn, x_both)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 

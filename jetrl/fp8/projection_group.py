@@ -20,14 +20,29 @@ step writes straight into the stacked buffer: the group never copies weights, an
 captured the stacked GEMM read the new codes. (An entry that stopped being a view -- a checkpoint
 primed its codes, the weight moved device -- is copied back in and re-pointed on the next call.)
 
-When: only without autograd (rollout, old-logprob passes), on CUDA, when every member is an FP8
-``Float8Linear`` of the same recipe and input size with N a multiple of 128. Training keeps
-separate GEMMs (each member's backward is its own), and the CPU keeps them too, so the CPU's
-trainer/engine bit-exactness is untouched. The first member called computes the stacked output
-for an input tensor; the others return their column slice of it (input_memo.py makes the hit exact,
-as for the shared input quantization in linear.py).
-The group lets go of the stacked output once every member has taken its slice, so no group keeps a
-prefill-sized activation alive between calls.
+When: on CUDA, when every member is an FP8 ``Float8Linear`` of the same recipe, input size and weight
+dtype with N a multiple of 128; the CPU keeps separate GEMMs, so the CPU's trainer/engine bit-exactness
+is untouched. The first member called computes the stacked output for an input tensor; the others
+return their column slice of it (input_memo.py makes the hit exact, as for the shared input
+quantization in linear.py). The group lets go of the stacked output once every member has taken its
+slice, so no group keeps a prefill-sized activation alive between calls.
+
+* Without autograd (rollout, old-logprob passes): one stacked GEMM, each member a column slice.
+* In training (linear.py ``_StackedFloat8LinearFn``) the members are one autograd Function too:
+
+      fprop  [Y_1 | ... | Y_n] = q(X) . W_s^T               W_s = [q(W_1); ...; q(W_n)]  (the stacked codes)
+      dgrad  dX   = q([dY_1 | ... | dY_n]) . (W_s^T)^T       one GEMM, fp32 over all n members' columns
+      wgrad  dW_s = q([dY_1 | ... | dY_n]^T) . q(X^T)^T      dW_i = its row block
+
+  The members' gradients are quantized straight into their columns of the stacked dY (no
+  concatenation; each group of 128 columns is one member's, so the codes are each member's own), and
+  W_s^T is built once per weight version from the stacked codes. Against separate members: a layer's
+  seven FP8 fwd+bwd calls become four, q/k/v's dX is one GEMM instead of three GEMMs and two BF16
+  additions (gate/up: two and one), and k/v's narrow GEMMs join q's. What pays is the host: an eager
+  FP8 fwd+bwd costs ~0.7-1.4 ms of host time whatever its size (bench/probe_host_parts.py), so small
+  models trained slower in FP8 than in BF16: 0.94x at Qwen3-1.7B's shapes, 1.13x with this; 0.48x ->
+  0.59x at 0.6B (bench/probe_model_sizes.py, docs/benchmarks.md (f)). dX is rounded once instead of
+  after each member's GEMM and their sum: not bit-equal to separate members, and no less accurate.
 """
 
 from __future__ import annotations
@@ -39,7 +54,7 @@ from torch import nn
 
 from jetrl.fp8.gemm import fp8_gemm
 from jetrl.fp8.input_memo import InputMemo
-from jetrl.fp8.quant import BLOCK, E4M3, Float8Blocks
+from jetrl.fp8.quant import BLOCK, E4M3, Float8Blocks, transpose_codes
 from jetrl.fp8.recipe import LinearPrecision, QuantSpec
 from jetrl.models.stacked_projections import SLOTS
 
@@ -59,8 +74,13 @@ class ProjectionGroup:
             self.offsets.append(total)
             total += m.out_features
         self.out_features = total
+        self.name = _group_name([m.fqn for m in self.members])
+        self.devices = ("cuda",)  # where the stacked paths run (tests widen it to the CPU)
         self._stacked: Float8Blocks | None = None
         self._views: list[Float8Blocks] = []
+        self._stacked_t: Float8Blocks | None = None  # W_s^T for dgrad, and the version it was built from
+        self._stacked_t_key: tuple | None = None
+        self._writes = 0  # copies into the stacked buffer (a re-pointed member): part of W_s^T's version
         self._memo = InputMemo()  # the stacked output for the current input
         self._unread: set[int] = set()
 
@@ -72,27 +92,50 @@ class ProjectionGroup:
             return False
         first = members[0]
         return all(m.recipe == first.recipe and m.in_features == first.in_features and m.out_features % BLOCK == 0
-                   for m in members)
+                   and m.weight.dtype == first.weight.dtype for m in members)
 
     def applies(self, x: torch.Tensor, spec: LinearPrecision) -> bool:
         """Whether this call may take the stacked path: CUDA, no autograd, the members' weight spec 128x128,
         and an input with a version counter (not a ``torch.inference_mode`` tensor)."""
-        return (x.is_cuda and not torch.is_grad_enabled() and not x.is_inference()
+        return (x.device.type in self.devices and not torch.is_grad_enabled() and not x.is_inference()
                 and spec.weight.block == (BLOCK, BLOCK))
+
+    def trains(self, x: torch.Tensor, spec: LinearPrecision) -> bool:
+        """Whether a training call may take the stacked Function: CUDA (``devices``), an input with a version counter, 128x128
+        weight blocks, every member's weight trained, and the gradient's two layouts one 1x128 spec (the dual
+        quantizer writes both; the recipes' own)."""
+        grad = spec.grad_output
+        return (x.device.type in self.devices and not x.is_inference() and spec.weight.block == (BLOCK, BLOCK)
+                and grad is not None and grad == spec.wgrad and grad.block == (1, BLOCK)
+                and all(m.weight.requires_grad for m in self.members))
+
+    def columns(self) -> list[tuple[int, int]]:
+        """(first column, width) of each member's block of the stacked output."""
+        return [(o, m.out_features) for o, m in zip(self.offsets, self.members)]
 
     def output(self, member: Float8Linear, x: torch.Tensor, spec: LinearPrecision, quantize_input) -> torch.Tensor:
         """``member``'s (M, n) output: a column slice of the stacked GEMM of ``x`` (computed once per input)."""
+        stacked = self._shared(member, x, spec,
+                               lambda: fp8_gemm(quantize_input(), self.stacked_weight(spec.weight), out_dtype=x.dtype))
+        offset = self.offsets[self.members.index(member)]
+        return stacked[:, offset:offset + member.out_features]
 
-        def stacked_gemm() -> torch.Tensor:
+    def train_output(self, member: Float8Linear, x: torch.Tensor, spec: LinearPrecision, apply) -> torch.Tensor:
+        """``member``'s (M, n) output from the members' one autograd Function (``apply()``, run once per input)."""
+        return self._shared(member, x, ("train", spec), apply)[self.members.index(member)]
+
+    def _shared(self, member: Float8Linear, x: torch.Tensor, key, compute):
+        """``compute()`` once per input ``x`` for all members; let go of it once every member has read it."""
+
+        def first():
             self._unread = set(range(len(self.members)))
-            return fp8_gemm(quantize_input(), self.stacked_weight(spec.weight), out_dtype=x.dtype)
+            return compute()
 
-        out = self._memo.get(x, spec, stacked_gemm)
-        index = self.members.index(member)
-        self._unread.discard(index)
-        if not self._unread:  # every member has its slice: hold no reference to a (prefill-sized) output
+        out = self._memo.get(x, key, first)
+        self._unread.discard(self.members.index(member))
+        if not self._unread:  # every member has its part: hold no reference to a (prefill-sized) output
             self._memo.clear()
-        return out[:, self.offsets[index]:self.offsets[index] + member.out_features]
+        return out
 
     def stacked_weight(self, spec: QuantSpec) -> Float8Blocks:
         """The members' current FP8 weights, stacked along N, with no copy (module docstring)."""
@@ -105,7 +148,23 @@ class ProjectionGroup:
                 view.codes.copy_(q.codes)
                 view.scales.copy_(q.scales)
                 m.weight_cache.adopt(view)
+                self._writes += 1
         return self._stacked
+
+    def stacked_weight_t(self, spec: QuantSpec) -> Float8Blocks:
+        """W_s^T (K, N_total) for dgrad, from the stacked codes (never re-quantized), rebuilt in place when a member's
+        weight was re-quantized or re-pointed since the last call."""
+        stacked = self.stacked_weight(spec)
+        key = (tuple(m.weight_cache.num_quantizations for m in self.members), self._writes, stacked.codes.data_ptr())
+        if key != self._stacked_t_key:
+            old = self._stacked_t
+            if old is None or old.codes.shape != stacked.codes.shape[::-1] or old.codes.device != stacked.codes.device:
+                self._stacked_t = stacked.t()
+            else:
+                transpose_codes(stacked.codes, out=old.codes)
+                old.scales.copy_(stacked.scales.t())
+            self._stacked_t_key = key
+        return self._stacked_t
 
     def _allocate(self, like: Float8Blocks) -> None:
         k = like.codes.shape[1]
@@ -115,6 +174,14 @@ class ProjectionGroup:
         self._stacked = Float8Blocks(codes, scales, (BLOCK, BLOCK))
         self._views = [Float8Blocks(codes[o:o + m.out_features], scales[o // BLOCK:(o + m.out_features) // BLOCK],
                                     (BLOCK, BLOCK)) for o, m in zip(self.offsets, self.members)]
+
+
+def _group_name(names: list[str]) -> str:
+    """``model.layers.0.self_attn.{q_proj,k_proj,v_proj}`` for the members' qualified names."""
+    prefix = names[0].rpartition(".")[0]
+    if all(n.rpartition(".")[0] == prefix for n in names):
+        return f"{prefix + '.' if prefix else ''}{{{','.join(n.rpartition('.')[2] for n in names)}}}"
+    return "+".join(names)
 
 
 def install_projection_groups(model: nn.Module) -> int:

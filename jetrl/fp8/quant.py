@@ -57,7 +57,7 @@ with each Float8Linear's weight cache in its autograd context -- after the model
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -129,10 +129,6 @@ class Float8Blocks:
         """
         return Float8Blocks(transpose_codes(self.codes), self.scales.t().contiguous(), self.block[::-1])
 
-    def t_layout(self) -> Float8Blocks:
-        """A view with the shapes of :meth:`t` (no copy); for layout comparisons."""
-        return Float8Blocks(self.codes.t(), self.scales.t(), self.block[::-1])
-
 
 def amax_to_scale(amax: torch.Tensor, pow2_scale: bool = False) -> torch.Tensor:
     """fp32 dequant scale from a per-block amax (see the module docstring); NaN if amax is not finite."""
@@ -167,7 +163,8 @@ def quantize(
     scales keep their own layout) and return ``out`` itself -- the weight cache refreshes in place so.
     """
     _validate(x, block, name)
-    x = x.detach()  # codes are not differentiable: no autograd graph may hang off them (module docstring)
+    if x.requires_grad:  # codes are not differentiable: no autograd graph may hang off them (module docstring)
+        x = x.detach()
     impl = _implementation(x.device, tuple(block))
     if out is None:
         codes, scales = impl(x, block[0], block[1], pow2_scale, col_major_scales=col_major_scales)
@@ -212,6 +209,44 @@ def quantize_with_transpose(
             return _finish(out[0], check_finite, name), _finish(out[1], check_finite, f"{name}_t")
     return tuple(quantize(t, (1, BLOCK), pow2_scale=pow2_scale, check_finite=check_finite, name=n,
                           col_major_scales=col_major_scales) for t, n in ((x, name), (x.t(), f"{name}_t")))
+
+
+def quantize_columns_with_transpose(
+    parts: Sequence[torch.Tensor], *, pow2_scale: bool = False, name: str = "tensor", col_major_scales: bool = False,
+) -> tuple[Float8Blocks, Float8Blocks]:
+    """``quantize_with_transpose(torch.cat(parts, dim=1))`` without building the concatenation.
+
+    ``parts``: (M, n_i) tensors, every n_i but the last a multiple of 128, so that no 1x128 group of the whole
+    straddles two parts: each part's groups are then the whole's, and its x^T rows a row range of the whole's x^T.
+    The gradient of sibling projections stacked along N (projection_group.py): dgrad and wgrad read it as one
+    (M, sum n_i) operand. On CUDA each part is quantized by the dual-layout kernel straight into its columns of the
+    outputs (one launch per part, as separate siblings cost, and no copy of the gradient); elsewhere the parts are
+    concatenated first. Recorders see ``name`` and ``name + "_t"``.
+    """
+    if any(p.shape[1] % BLOCK for p in parts[:-1]):
+        raise ValueError(f"{name}: every part but the last needs a multiple of {BLOCK} columns, got "
+                         f"{[p.shape[1] for p in parts]}")
+    for p in parts:
+        _validate(p, (1, BLOCK), name)
+    first = parts[0]
+    width = sum(p.shape[1] for p in parts)
+    if quant_backend(first.device) == "triton":
+        from jetrl.fp8.kernels.quant_triton import dual_fits, quantize_dual_triton, scale_buffer
+
+        if all(dual_fits(p, width) for p in parts):
+            m, device = first.shape[0], first.device
+            out = (torch.empty((m, width), dtype=E4M3, device=device),
+                   scale_buffer(m, -(-width // BLOCK), col_major_scales, device),
+                   torch.empty((width, m), dtype=E4M3, device=device),
+                   scale_buffer(width, -(-m // BLOCK), col_major_scales, device))
+            col = 0
+            for p in parts:
+                quantize_dual_triton(p, pow2_scale, col_major_scales=col_major_scales, out=out, out_col=col)
+                col += p.shape[1]
+            both = Float8Blocks(out[0], out[1], (1, BLOCK)), Float8Blocks(out[2], out[3], (1, BLOCK))
+            return _finish(both[0], False, name), _finish(both[1], False, f"{name}_t")
+    return quantize_with_transpose(torch.cat(list(parts), dim=1), pow2_scale=pow2_scale, name=name,
+                                   col_major_scales=col_major_scales)
 
 
 def _finish(out: Float8Blocks, check_finite: bool, name: str) -> Float8Blocks:

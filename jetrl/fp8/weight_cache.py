@@ -144,7 +144,7 @@ class WeightCache:
     def get_transposed(self, weight: torch.Tensor, spec: QuantSpec) -> Float8Blocks:
         """q(W)^T for dgrad, from the same codes as :meth:`get` (never re-quantized)."""
         quantized = self.get(weight, spec)
-        if self._weight_t is None or not _same_layout(self._weight_t, quantized.t_layout()):
+        if self._weight_t is None or not _is_transpose_layout(self._weight_t, quantized):
             self._weight_t = quantized.t().memoize() if quantized.codes.device.type == "cpu" else quantized.t()
         elif self._transposed_stale:
             transpose_codes(quantized.codes, out=self._weight_t.codes)
@@ -218,6 +218,14 @@ class WeightCache:
     def invalidate(self) -> None:
         """Forget the version: the next read quantizes again (into the same buffers)."""
         self._key = None
+
+
+def _is_transpose_layout(t: Float8Blocks, q: Float8Blocks) -> bool:
+    """Whether ``t`` has the shapes, block and device of ``q.t()`` (compared without building its views: a dgrad
+    asks at every backward)."""
+    (rows, cols), (scale_rows, scale_cols) = q.codes.shape, q.scales.shape
+    return (t.codes.shape == (cols, rows) and t.scales.shape == (scale_cols, scale_rows)
+            and tuple(t.block) == tuple(q.block[::-1]) and t.codes.device == q.codes.device)
 
 
 def _same_layout(a: Float8Blocks, b: Float8Blocks) -> bool:

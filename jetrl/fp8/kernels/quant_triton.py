@@ -257,6 +257,13 @@ def explicit_round() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("JETRL_QUANT_EXPLICIT_ROUND") == "1"
 
 
+def scale_buffer(rows: int, groups: int, col_major: bool, device: torch.device) -> torch.Tensor:
+    """An empty fp32 (rows, groups) scale tensor, row-major or column-major (strides (1, rows)); one allocation and
+    no view, as an eager layer pays the host for every op (bench/probe_host_parts.py)."""
+    return torch.empty_strided((rows, groups), (1, rows) if col_major else (groups, 1), dtype=torch.float32,
+                               device=device)
+
+
 def quantize_triton(
     x: torch.Tensor, br: int, bc: int, pow2_scale: bool, *, tile_rows: int | None = None, num_warps: int | None = None,
     col_major_scales: bool = False, out: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -276,9 +283,7 @@ def quantize_triton(
         assert codes.shape == (rows, cols) and codes.is_contiguous() and scales.shape == (num_row_groups, num_col_groups)
     else:
         codes = torch.empty((rows, cols), dtype=E4M3, device=x.device)
-        scales = torch.empty((num_col_groups, num_row_groups) if col_major_scales else (num_row_groups, num_col_groups),
-                             dtype=torch.float32, device=x.device)
-        scales = scales.t() if col_major_scales else scales
+        scales = scale_buffer(num_row_groups, num_col_groups, col_major_scales, x.device)
     tile_r = 128 if br == 128 else (tile_rows or max(32, 4096 // bc))
     grid = (num_col_groups * triton.cdiv(rows, tile_r),)
     _quantize_kernel[grid](
@@ -292,15 +297,18 @@ def quantize_triton(
 @triton.jit
 def _quantize_dual_kernel(
     x_ptr, codes_ptr, scales_ptr, codes_t_ptr, scales_t_ptr,
-    M, K, stride_xm, stride_xk, stride_sm, stride_sg, stride_tk, stride_tg,
+    M, K, stride_xm, stride_xk, stride_cm, stride_sm, stride_sg, stride_tk, stride_tg, col0,
     POW2: tl.constexpr, EXPLICIT_ROUND: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr = 128,
 ):
     # One (128 m, 128 k) tile. Its rows are 1x128 groups of x: quantized at once. Then the tile is read again,
     # transposed, CHUNK k-columns at a time (from L2: DRAM sees x once): each such column is a 1x128 group of
     # x^T, quantized by the same row function. No amax crosses layouts (Triton still moves x^T's codes into the
     # store's layout through shared memory: Nsight Compute's bank conflicts in docs/benchmarks.md (a)).
+    # x may be columns col0.. of a wider tensor's outputs (a multiple of 128; codes rows stride_cm apart): the
+    # stacked gradient of sibling projections, one launch per sibling (quant.quantize_columns_with_transpose)
     pid_k, pid_m = tl.program_id(0), tl.program_id(1)
     m0, k0 = pid_m.to(tl.int64) * 128, pid_k.to(tl.int64) * 128
+    g0 = col0 // 128
     # int64 only in the tile's base pointers; offsets inside a tile are int32 (the launcher bounds 128 rows of x and
     # of x^T's codes below 2^31 elements): 64-bit addresses per element cost registers, and registers bound how
     # many tiles an SM holds
@@ -313,8 +321,9 @@ def _quantize_dual_kernel(
         mask = row_ok_r[:, None] & col_ok[None, :]
         x = tl.load(x_tile + rows_r[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
         code_bits, scale = _quantize_rows(x.to(tl.float32), POW2, EXPLICIT_ROUND, True)
-        tl.store(codes_ptr + m0 * K + k0 + rows_r[:, None] * K + cols[None, :], code_bits, mask=mask)
-        scales_tile = scales_ptr + m0 * stride_sm + pid_k.to(tl.int64) * stride_sg
+        tl.store(codes_ptr + m0 * stride_cm + col0 + k0 + rows_r[:, None] * stride_cm + cols[None, :], code_bits,
+                 mask=mask)
+        scales_tile = scales_ptr + m0 * stride_sm + (g0 + pid_k).to(tl.int64) * stride_sg
         tl.store(scales_tile + rows_r * stride_sm, scale, mask=row_ok_r)
     rows = tl.arange(0, 128)
     row_ok = rows < M - m0
@@ -324,19 +333,21 @@ def _quantize_dual_kernel(
         mask_t = kc_ok[:, None] & row_ok[None, :]
         xt = tl.load(x_tile + rows[None, :] * stride_xm + kc[:, None] * stride_xk, mask=mask_t, other=0.0)
         code_bits_t, scale_t = _quantize_rows(xt.to(tl.float32), POW2, EXPLICIT_ROUND, True)
-        tl.store(codes_t_ptr + k0 * M + m0 + kc[:, None] * M + rows[None, :], code_bits_t, mask=mask_t)
-        tl.store(scales_t_ptr + k0 * stride_tk + pid_m.to(tl.int64) * stride_tg + kc * stride_tk, scale_t, mask=kc_ok)
+        tl.store(codes_t_ptr + (col0 + k0) * M + m0 + kc[:, None] * M + rows[None, :], code_bits_t, mask=mask_t)
+        tl.store(scales_t_ptr + (col0 + k0) * stride_tk + pid_m.to(tl.int64) * stride_tg + kc * stride_tk, scale_t,
+                 mask=kc_ok)
 
 
-def dual_fits(x: torch.Tensor) -> bool:
-    """Whether ``_quantize_dual_kernel``'s int32 in-tile offsets hold for x (M, K): 128 rows of x, of its codes and of
-    x^T's codes stay below 2^31 elements (any M and K below ~16.7M). Else quantize in two passes (the same bits)."""
-    return 128 * max(x.shape[0], x.shape[1], abs(x.stride(0)), abs(x.stride(1))) < 2**31
+def dual_fits(x: torch.Tensor, width: int | None = None) -> bool:
+    """Whether ``_quantize_dual_kernel``'s int32 in-tile offsets hold for x (M, K) written into outputs ``width``
+    columns wide (default K): 128 rows of x, of its codes and of x^T's codes stay below 2^31 elements (any M and K
+    below ~16.7M). Else quantize in two passes (the same bits)."""
+    return 128 * max(x.shape[0], x.shape[1], abs(x.stride(0)), abs(x.stride(1)), width or 0) < 2**31
 
 
 def quantize_dual_triton(
     x: torch.Tensor, pow2_scale: bool, *, col_major_scales: bool = False, chunk: int = 32, rows: int = 64,
-    num_warps: int = 4, **launch
+    num_warps: int = 4, out: tuple[torch.Tensor, ...] | None = None, out_col: int = 0, **launch
 ) -> tuple[torch.Tensor, ...]:
     """Same result as ``(*quantize_reference(x, 1, 128, p), *quantize_reference(x.t(), 1, 128, p))``.
 
@@ -351,22 +362,23 @@ def quantize_dual_triton(
     Returns (codes (M, K), scales (M, K/128), codes_t (K, M), scales_t (K, M/128)): codes row-major, scales
     row-major or, with ``col_major_scales``, column-major -- the layout cuBLAS's block-scaled GEMM reads (no copy
     before it; as ``quantize(col_major_scales=True)``), and one the kernel stores 128 contiguous scales of.
+    ``out``: those four for a wider tensor (M, W) -- contiguous codes (M, W) and (W, M), scales of any strides --
+    into whose columns ``out_col`` .. ``out_col + K`` (``out_col`` a multiple of 128) x's are written; returns ``out``.
     """
-    assert x.dim() == 2 and dual_fits(x), (x.shape, x.stride())
     m, k = x.shape
-    num_m_groups, num_k_groups = triton.cdiv(m, 128), triton.cdiv(k, 128)
-
-    def scale_buffer(rows_: int, groups: int) -> torch.Tensor:
-        if col_major_scales:
-            return torch.empty((groups, rows_), dtype=torch.float32, device=x.device).t()
-        return torch.empty((rows_, groups), dtype=torch.float32, device=x.device)
-
-    codes = torch.empty((m, k), dtype=E4M3, device=x.device)
-    codes_t = torch.empty((k, m), dtype=E4M3, device=x.device)
-    scales, scales_t = scale_buffer(m, num_k_groups), scale_buffer(k, num_m_groups)
-    _quantize_dual_kernel[(num_k_groups, num_m_groups)](
+    if out is None:
+        codes = torch.empty((m, k), dtype=E4M3, device=x.device)
+        codes_t = torch.empty((k, m), dtype=E4M3, device=x.device)
+        scales = scale_buffer(m, triton.cdiv(k, 128), col_major_scales, x.device)
+        scales_t = scale_buffer(k, triton.cdiv(m, 128), col_major_scales, x.device)
+    else:
+        codes, scales, codes_t, scales_t = out
+    width = codes.shape[1]
+    assert x.dim() == 2 and dual_fits(x, width) and out_col % 128 == 0 and out_col + k <= width, (x.shape, out_col)
+    assert codes.is_contiguous() and codes_t.is_contiguous() and codes.shape[0] == m and codes_t.shape == (width, m)
+    _quantize_dual_kernel[(triton.cdiv(k, 128), triton.cdiv(m, 128))](
         x, codes.view(torch.uint8), scales, codes_t.view(torch.uint8), scales_t,
-        m, k, x.stride(0), x.stride(1), *scales.stride(), *scales_t.stride(), POW2=pow2_scale,
+        m, k, x.stride(0), x.stride(1), width, *scales.stride(), *scales_t.stride(), out_col, POW2=pow2_scale,
         EXPLICIT_ROUND=explicit_round(), CHUNK=chunk, ROWS=rows, num_warps=num_warps, **launch,
     )
     return codes, scales, codes_t, scales_t

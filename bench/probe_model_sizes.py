@@ -1,0 +1,53 @@
+"""Bench (f)'s training phase at smaller Qwen3 shapes: where does eager FP8 training stop paying?
+
+At 8B an FP8 Float8Linear fwd+bwd has ~1-5 ms of GPU work per call against ~1-1.4 ms of host work (bench (b),
+bench/probe_host_parts.py), so the host hides behind the GPU. A smaller model shrinks the GPU work per call but not
+the host's: this runs section (f)'s own code (``jetrl.bench.training.training_phase``: old-logprob forward + one
+update of 16 x 1152 tokens, ``jet`` against ``bf16`` in one process) at Qwen3-1.7B and Qwen3-4B shapes (the real
+models' layer shapes; untied lm_head). Each size runs twice: as shipped, sibling projections training as one
+stacked Function (projection_group.py), and with them forced separate (``SEPARATE=0`` skips that arm; code without
+the stacked Function runs the first arm only, its own).
+
+    PYTHONPATH=. OUT=$OUT python3 bench/probe_model_sizes.py          # SIZES=1.7b,4b by default
+"""
+
+import contextlib
+import json
+import os
+import unittest.mock
+from dataclasses import replace
+
+import torch
+
+from jetrl.bench.shapes import h200_config
+from jetrl.bench.training import training_phase
+from jetrl.fp8.projection_group import ProjectionGroup
+
+SHAPES = {  # Qwen3 configs: hidden, intermediate, heads, kv heads, layers (head_dim 128, vocabulary 151936)
+    "0.6b": {"hidden": 1024, "intermediate": 3072, "heads": 16, "kv_heads": 8, "train_layers": 28},
+    "1.7b": {"hidden": 2048, "intermediate": 6144, "heads": 16, "kv_heads": 8, "train_layers": 28},
+    "4b": {"hidden": 2560, "intermediate": 9728, "heads": 32, "kv_heads": 8, "train_layers": 36},
+}
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    results = {}
+    arms = {"stacked": contextlib.nullcontext}
+    if hasattr(ProjectionGroup, "trains") and os.environ.get("SEPARATE", "1") == "1":
+        arms["separate"] = lambda: unittest.mock.patch.object(ProjectionGroup, "trains", lambda *a: False)
+    for size in os.environ.get("SIZES", "1.7b,4b").split(","):
+        cfg = replace(h200_config(), **SHAPES[size])
+        for arm, context in arms.items():
+            with context():
+                rows = training_phase(cfg, device)
+            results[f"{size} {arm}"] = rows
+            for r in rows:
+                print(size, arm, json.dumps({k: r.get(k) for k in ("name", "baseline", "value", "ratio")}), flush=True)
+            torch.cuda.empty_cache()
+    with open(os.path.join(os.environ.get("OUT", "."), "probe_model_sizes.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
