@@ -19,13 +19,13 @@ from dataclasses import replace
 
 import torch
 
-from jetrl.bench.shapes import h200_config
+from jetrl.bench.shapes import QWEN3_1_7B, h200_config
 from jetrl.bench.training import training_phase
 from jetrl.fp8.projection_group import ProjectionGroup
 
 SHAPES = {  # Qwen3 configs: hidden, intermediate, heads, kv heads, layers (head_dim 128, vocabulary 151936)
     "0.6b": {"hidden": 1024, "intermediate": 3072, "heads": 16, "kv_heads": 8, "train_layers": 28},
-    "1.7b": {"hidden": 2048, "intermediate": 6144, "heads": 16, "kv_heads": 8, "train_layers": 28},
+    "1.7b": QWEN3_1_7B,  # also bench (f)'s second row
     "4b": {"hidden": 2560, "intermediate": 9728, "heads": 32, "kv_heads": 8, "train_layers": 36},
 }
 
@@ -37,7 +37,7 @@ def main() -> None:
     if hasattr(ProjectionGroup, "trains") and os.environ.get("SEPARATE", "1") == "1":
         arms["separate"] = lambda: unittest.mock.patch.object(ProjectionGroup, "trains", lambda *a: False)
     for size in os.environ.get("SIZES", "1.7b,4b").split(","):
-        cfg = replace(h200_config(), **SHAPES[size])
+        cfg = replace(h200_config(), small_train=None, **SHAPES[size])  # the size alone, not bench (f)'s second row
         for arm, context in arms.items():
             with context():
                 rows = training_phase(cfg, device)

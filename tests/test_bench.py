@@ -62,6 +62,8 @@ def test_smoke_json_layout_and_targets(smoke_run):
     assert any(r["name"].startswith("quant fused") for r in rows["a"])
     assert any("bf16 vs HF generate" in r["name"] for r in rows["e"])
     assert any("jet_kv/bf16" in r["name"] for r in rows["e"])  # the FP8-KV comparison, incl. long context
+    small = [r for r in rows["f"] if r["name"].startswith("training phase, ")]  # a smaller model, no target
+    assert len(small) == 1 and small[0]["ratio"] > 0 and small[0]["check"] == "ok" and "target" not in small[0]
     for row in rows["b"] + rows["c"] + rows["f"] + rows["g"]:
         if "ratio" in row and row.get("baseline_label") == "bf16":
             assert row["baseline"] > 0 and row["value"] > 0  # the BF16 baseline of the same run

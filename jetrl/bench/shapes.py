@@ -84,6 +84,8 @@ class BenchConfig:
     rl_completion: int
     rl_steps: int  # timed RL steps per recipe, after one warm-up step
     torchao: bool = False  # (b) also torchao's blockwise FP8 linear (--torchao; jetrl/bench/torchao_baseline.py)
+    # (f) also the training phase of a smaller model, where eager FP8 is host-bound: (label, fields to replace)
+    small_train: tuple[str, dict] | None = None
 
     def __post_init__(self) -> None:
         if self.layers < 1 or self.train_layers < 1:
@@ -120,7 +122,12 @@ def h200_config(*, layers: int = 36, train_layers: int = 36, micro_batch: int = 
         long_context=long_context, long_batch=64, long_prompt=3072, long_new=1024,
         train_batch=16, train_prompt=128, train_completion=1024, micro_batch=micro_batch, train_iters=3,
         rl_prompts=8, rl_generations=8, rl_prompt=128, rl_completion=1024, rl_steps=2,
+        small_train=("Qwen3-1.7B shapes", QWEN3_1_7B),
     )
+
+
+# Qwen3-1.7B's layer shapes (head_dim 128 as the 8B's; the bench keeps the 8B's vocabulary and an untied lm_head)
+QWEN3_1_7B = {"hidden": 2048, "intermediate": 6144, "heads": 16, "kv_heads": 8, "train_layers": 28}
 
 
 def smoke_config(*, layers: int = 2, train_layers: int = 2, micro_batch: int = 2,
@@ -137,4 +144,5 @@ def smoke_config(*, layers: int = 2, train_layers: int = 2, micro_batch: int = 2
         long_batch=2, long_prompt=24, long_new=4,
         train_batch=4, train_prompt=8, train_completion=8, micro_batch=micro_batch, train_iters=1,
         rl_prompts=2, rl_generations=2, rl_prompt=8, rl_completion=6, rl_steps=1,
+        small_train=("half width", {"hidden": 128, "intermediate": 256, "heads": 1, "train_layers": 1}),
     )
