@@ -134,6 +134,13 @@ for col_major in (False, True):
         for g, w in zip(got, want):
             assert g.scales.stride() == w.scales.stride(), (g.scales.stride(), w.scales.stride())
             assert torch.equal(bits(g.codes), bits(w.codes)) and torch.equal(bits(g.scales), bits(w.scales))
+out = quantize_dual_triton(whole, False)  # outputs 612 wide: a part may not start off a 128-column group or overrun
+for col in (64, 512):
+    try:
+        quantize_dual_triton(parts[0], False, out=out, out_col=col)
+        raise AssertionError(col)
+    except ValueError as exc:
+        assert "does not fit outputs" in str(exc), exc
 print("OK")
 """
 

@@ -142,6 +142,31 @@ def test_stacked_training_matches_separate_members():
         assert float((q.grad - p.grad).norm() / p.grad.norm()) < 1e-2, name
 
 
+def test_stacked_training_edge_cases():
+    """A member that calls again computes afresh (its weight may have changed); an unused member's weight gets no
+    gradient, as when it runs alone; a converted model deep-copies (the trainer's KL reference model)."""
+    import copy
+
+    model = _model()
+    for group in _groups(model).values():
+        group.devices = ("cuda", "cpu")
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(2, 5, CFG.hidden_size)
+    with precision_phase("train"):
+        first = attn.q_proj(x)
+        with torch.no_grad():
+            attn.q_proj.weight.mul_(2)
+        second = attn.q_proj(x)
+        assert not torch.equal(second, first)
+        (attn.q_proj(x).square().sum() + attn.k_proj(x).sum()).backward()
+    assert attn.q_proj.weight.grad is not None and attn.k_proj.weight.grad is not None
+    assert attn.v_proj.weight.grad is None
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, CFG.vocab_size, (2, 5))
+    with torch.no_grad():
+        assert torch.equal(twin(ids), model(ids))
+
+
 def test_stacked_training_falls_back_where_it_cannot_apply():
     """A frozen member, or a recipe whose gradient layouts differ, trains the members separately."""
     model = _model()

@@ -1,6 +1,7 @@
 """GRPOTrainer and `jetrl train` on a random tiny model: updates, recipes, errors, exact resume."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -72,6 +73,14 @@ def test_reference_model_keeps_no_bf16_stack():
     assert trainer.model.model.layers[0].self_attn.qkv_stack is not None  # the policy's rollout stacks (on CUDA)
     assert all(layer.self_attn.qkv_stack is None and layer.mlp.gate_up_stack is None
                for layer in trainer.ref_model.model.layers)
+
+
+def test_kl_reference_model_under_an_fp8_recipe():
+    """beta > 0 deep-copies the converted policy as the KL reference (its FP8 caches and memos copy empty)."""
+    trainer = _trainer("jet", beta=0.05)
+    metrics = trainer.train_step()
+    assert trainer.ref_model is not None and trainer.optimizer_steps == 1
+    assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))
 
 
 @pytest.mark.parametrize("recipe, source", [("bf16", "recompute"), ("fp8_rollout", "recompute"), ("jet", "rollout"),

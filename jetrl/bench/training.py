@@ -110,9 +110,9 @@ def _time_phase(trainer: GRPOTrainer, batch: RolloutBatch, device: torch.device)
     return t_old, t_update
 
 
-def _phase_times(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
+def _phase_times(cfg: BenchConfig, device: torch.device, label: str = "training phase") -> dict[str, Any]:
     """Section (f)'s measurement at ``cfg``'s shapes: per recipe the median phase, old-logprob and update ms and the
-    memory, with the error rows and problems of a run that went wrong."""
+    memory, with the error rows (named ``label`` and the recipe) and problems of a run that went wrong."""
     model = random_model(cfg.model_config(cfg.train_layers), device, torch.bfloat16)
     batch = random_batch(cfg.train_batch, cfg.train_prompt, cfg.train_completion, cfg.vocab)
     records = random_records(cfg.train_batch, cfg.train_prompt, cfg.vocab)
@@ -128,7 +128,7 @@ def _phase_times(cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
             if trainer.nonfinite_steps or trainer.optimizer_steps != 1 + cfg.train_iters:
                 out["problems"].append(f"{recipe}: {trainer.optimizer_steps} updates, {trainer.nonfinite_steps} non-finite")
 
-        _with_trainer(out["rows"], f"training phase {recipe}", measure, model, recipe, records, generations=2,
+        _with_trainer(out["rows"], f"{label} {recipe}", measure, model, recipe, records, generations=2,
                       batch=cfg.train_batch, prompt_len=cfg.train_prompt, completion_len=cfg.train_completion, cfg=cfg)
     out["model_note"] = _model_note(cfg, model)
     del model
@@ -161,8 +161,10 @@ def training_phase(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any
                      "ratio": update["bf16"] / update["jet"]})
     if cfg.small_train is not None:  # no target: where eager FP8 training stops paying (docs/benchmarks.md (f))
         label, fields = cfg.small_train
-        small = _phase_times(replace(cfg, **fields), device)
-        row = {"name": f"training phase, {label}", "unit": "ms", "baseline": small["phase"].get("bf16"),
+        layers = min(fields.get("train_layers", cfg.train_layers), cfg.train_layers)  # --train-layers caps both
+        name = f"training phase, {label}" + (f", {layers} layers" if layers != fields.get("train_layers") else "")
+        small = _phase_times(replace(cfg, **{**fields, "train_layers": layers}), device, name)
+        row = {"name": name, "unit": "ms", "baseline": small["phase"].get("bf16"),
                "baseline_label": "bf16", "value": small["phase"].get("jet"), "value_label": "jet",
                "ratio": (small["phase"]["bf16"] / small["phase"]["jet"] if len(small["phase"]) == 2 else None),
                "old_logprobs_ms": small["old"], "update_ms": small["update"], "memory": small["memory"],

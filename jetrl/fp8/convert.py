@@ -13,11 +13,12 @@ model's KV hook then quantizes->dequantizes K/V wherever the recipe says so (kv_
 happens even when no linear layer is FP8 (``fp8kv_rollout``). :func:`model_recipe` reads the
 recipe back from a converted model; the engine uses it to pick its KV cache format.
 
-Inference-only speedups are installed with the linear layers: projection groups (FP8 q/k/v and
-gate/up as one stacked GEMM, projection_group.py), producer-side input quantization (the norms, the
-decode attention and SwiGLU write their FP8 consumer's input codes, producer_quant.py) and, for every
-recipe, ``bf16`` included, the BF16 q/k/v and gate/up stacks (jetrl/models/stacked_projections.py),
-which take over wherever those siblings stay BF16.
+Speedups are installed with the linear layers: projection groups (FP8 q/k/v and gate/up as one
+stacked GEMM on CUDA, and in training as one autograd Function, projection_group.py) and, for
+inference only, producer-side input quantization (the norms, the decode attention and SwiGLU write
+their FP8 consumer's input codes, producer_quant.py) and, for every recipe, ``bf16`` included, the
+BF16 q/k/v and gate/up stacks (jetrl/models/stacked_projections.py), which take over wherever those
+siblings stay BF16.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def convert_to_float8(model: nn.Module, recipe: Recipe, module_filter: ModuleFil
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, Float8Linear.from_float(linear, recipe, name=fqn))
-    install_projection_groups(model)  # q/k/v and gate/up: one stacked GEMM in the CUDA rollout
+    install_projection_groups(model)  # q/k/v and gate/up: one stacked GEMM (rollout) or Function (training) on CUDA
     install_producer_quant(model)  # the producers of FP8 inputs write their codes (no-grad, CUDA)
     return model
 

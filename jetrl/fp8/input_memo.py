@@ -2,8 +2,8 @@
 
 Why: sibling layers read the same activation -- q/k/v of one attention, gate/up of one MLP. Its
 FP8 quantization (linear.py: in training both layouts, of which X^T is saved for the wgrads) and,
-without autograd on CUDA, the siblings' stacked GEMM (projection_group.py) need computing once per
-activation, not once per sibling.
+on CUDA, the siblings' stacked GEMM or, in training, their one autograd Function (projection_group.py)
+need computing once per activation, not once per sibling.
 
 A hit needs all of:
 * the same tensor *object*, held by a weak reference, so a freed tensor never matches, even when
@@ -52,6 +52,11 @@ class InputMemo(threading.local):
     def clear(self) -> None:
         """Drop the held value (and its memory) now."""
         self._ref = self._key = self._value = None
+
+    def __reduce__(self):
+        """A copy (``copy.deepcopy`` of a converted model: the trainer's KL reference model) or a pickle starts empty:
+        the held value belongs to this memo's input (and a ``threading.local`` cannot be pickled as it is)."""
+        return type(self), ()
 
 
 def _full_key(x: torch.Tensor, key: Any) -> tuple:

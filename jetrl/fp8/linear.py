@@ -97,6 +97,7 @@ class _StackedFloat8LinearFn(torch.autograd.Function):
     def forward(ctx, x2d, group, spec: LinearPrecision, x_both: tuple[Float8Blocks, Float8Blocks], *weights):
         x_q, xt_q = x_both
         ctx.group, ctx.spec, ctx.x_dtype = group, spec, x2d.dtype
+        ctx.set_materialize_grads(False)  # an unused member's gradient stays None: its weight gets none
         ctx.save_for_backward(xt_q.codes, xt_q.scales, *weights)  # X^T (K, M) in FP8, shared by the members' wgrads
         y = fp8_gemm(x_q, group.stacked_weight(spec.weight), out_dtype=x2d.dtype)  # (M, N_total)
         return tuple(y[:, o:o + n] for o, n in group.columns())
@@ -105,17 +106,22 @@ class _StackedFloat8LinearFn(torch.autograd.Function):
     def backward(ctx, *grads):
         spec, group = ctx.spec, ctx.group
         xt_codes, xt_scales, *weights = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[4:])
+        used = [g is not None for g in grads]
+        if not any(used):
+            return None, None, None, None, *([None] * len(weights))
+        rows = next(g for g in grads if g is not None).shape[0]
+        grads = [g if g is not None else xt_codes.new_zeros((rows, n), dtype=ctx.x_dtype)
+                 for g, (_, n) in zip(grads, group.columns())]
         dy_q, dyt_q = quantize_columns_with_transpose(grads, pow2_scale=spec.grad_output.pow2_scale,
                                                       name=f"{group.name}.grad_output", col_major_scales=grads[0].is_cuda)
-        grad_x = grad_ws = None
-        if need_dx:  # (M, K): one GEMM over every member's columns, rounded once
+        grad_x, grad_ws = None, [None] * len(weights)
+        if ctx.needs_input_grad[0]:  # (M, K): one GEMM over every member's columns, rounded once
             grad_x = fp8_gemm(dy_q, group.stacked_weight_t(spec.weight), out_dtype=ctx.x_dtype, batch_invariant=False)
-        if need_dw:  # (N_total, K): member i's dW is its row block
+        if any(ctx.needs_input_grad[4:]):  # (N_total, K): member i's dW is its row block
             dw = fp8_gemm(dyt_q, Float8Blocks(xt_codes, xt_scales, spec.wgrad.block), out_dtype=weights[0].dtype,
                           batch_invariant=False)
-            grad_ws = [dw[o:o + n] for o, n in group.columns()]
-        return grad_x, None, None, None, *(grad_ws or [None] * len(weights))
+            grad_ws = [dw[o:o + n] if u else None for (o, n), u in zip(group.columns(), used)]
+        return grad_x, None, None, None, *grad_ws
 
 
 def _quantize_both(t: torch.Tensor, rows: QuantSpec, tokens: QuantSpec, name: str) -> tuple[Float8Blocks, Float8Blocks]:

@@ -24,8 +24,9 @@ When: on CUDA, when every member is an FP8 ``Float8Linear`` of the same recipe, 
 dtype with N a multiple of 128; the CPU keeps separate GEMMs, so the CPU's trainer/engine bit-exactness
 is untouched. The first member called computes the stacked output for an input tensor; the others
 return their column slice of it (input_memo.py makes the hit exact, as for the shared input
-quantization in linear.py). The group lets go of the stacked output once every member has taken its
-slice, so no group keeps a prefill-sized activation alive between calls.
+quantization in linear.py); a member that calls twice computes afresh. The group lets go of the
+stacked output once every member has taken its slice (or at the next input, if a member is never
+called), so no group keeps a prefill-sized activation alive past its layer.
 
 * Without autograd (rollout, old-logprob passes): one stacked GEMM, each member a column slice.
 * In training (linear.py ``_StackedFloat8LinearFn``) the members are one autograd Function too:
@@ -43,6 +44,11 @@ slice, so no group keeps a prefill-sized activation alive between calls.
   models trained slower in FP8 than in BF16: 0.76-0.99x at Qwen3-1.7B's shapes, 0.93-1.13x with this
   (machines differ); 0.48x -> 0.59x at 0.6B (bench/probe_model_sizes.py, docs/benchmarks.md (f)). dX is rounded once instead of
   after each member's GEMM and their sum: not bit-equal to separate members, and no less accurate.
+  Two differences a caller can see: the members' outputs are column views of one tensor, so an
+  in-place op on one raises autograd's view error (jetrl's models do none: norm_rope, the KV
+  transform and SwiGLU are out of place), and the members' weight gradients are row views of one
+  wgrad buffer (accumulation over micro-batches adds into each view). A member whose output is
+  unused gets no gradient, as when it runs alone.
 """
 
 from __future__ import annotations
@@ -125,14 +131,19 @@ class ProjectionGroup:
         return self._shared(member, x, ("train", spec), apply)[self.members.index(member)]
 
     def _shared(self, member: Float8Linear, x: torch.Tensor, key, compute):
-        """``compute()`` once per input ``x`` for all members; let go of it once every member has read it."""
+        """``compute()`` once per input ``x`` for all members; let go of it once every member has read it. A member
+        that calls again before the others have read (the same input, e.g. after its weight changed) computes
+        afresh: a held result serves each member once."""
 
         def first():
             self._unread = set(range(len(self.members)))
             return compute()
 
+        index = self.members.index(member)
+        if index not in self._unread:
+            self._memo.clear()
         out = self._memo.get(x, key, first)
-        self._unread.discard(self.members.index(member))
+        self._unread.discard(index)
         if not self._unread:  # every member has its part: hold no reference to a (prefill-sized) output
             self._memo.clear()
         return out

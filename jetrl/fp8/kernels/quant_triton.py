@@ -365,6 +365,8 @@ def quantize_dual_triton(
     ``out``: those four for a wider tensor (M, W) -- contiguous codes (M, W) and (W, M), scales of any strides --
     into whose columns ``out_col`` .. ``out_col + K`` (``out_col`` a multiple of 128) x's are written; returns ``out``.
     """
+    if x.dim() != 2:
+        raise ValueError(f"quantize_dual_triton takes a 2-D tensor, got shape {tuple(x.shape)}")
     m, k = x.shape
     if out is None:
         codes = torch.empty((m, k), dtype=E4M3, device=x.device)
@@ -374,8 +376,12 @@ def quantize_dual_triton(
     else:
         codes, scales, codes_t, scales_t = out
     width = codes.shape[1]
-    assert x.dim() == 2 and dual_fits(x, width) and out_col % 128 == 0 and out_col + k <= width, (x.shape, out_col)
-    assert codes.is_contiguous() and codes_t.is_contiguous() and codes.shape[0] == m and codes_t.shape == (width, m)
+    expected = ((m, width), (m, triton.cdiv(width, 128)), (width, m), (width, triton.cdiv(m, 128)))
+    if (tuple(tuple(t.shape) for t in (codes, scales, codes_t, scales_t)) != expected or not codes.is_contiguous()
+            or not codes_t.is_contiguous() or out_col % 128 or out_col + k > width or not dual_fits(x, width)):
+        raise ValueError(f"quantize_dual_triton: x {tuple(x.shape)} at column {out_col} does not fit outputs of shapes "
+                         f"{[tuple(t.shape) for t in (codes, scales, codes_t, scales_t)]} (want {list(expected)}, "
+                         "codes contiguous, the column a multiple of 128, within int32 tile offsets)")
     _quantize_dual_kernel[(triton.cdiv(k, 128), triton.cdiv(m, 128))](
         x, codes.view(torch.uint8), scales, codes_t.view(torch.uint8), scales_t,
         m, k, x.stride(0), x.stride(1), width, *scales.stride(), *scales_t.stride(), out_col, POW2=pow2_scale,
