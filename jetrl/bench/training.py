@@ -22,8 +22,8 @@ Old logprobs are *recomputed* by a trainer forward under both recipes (``old_log
     ``train_iters`` timed repeats (median). Check: every update applied (finite loss and grad).
     Target: >= 1.45x. Then the same at a smaller model's shapes (``small_train``: Qwen3-1.7B's), with
     no target: an eager FP8 linear pays its host ~1 ms per fwd+bwd whatever its size, so there the
-    row shows whether FP8 training still pays (0.88-0.94x BF16 before q/k/v and gate/up trained as one
-    Function, docs/benchmarks.md (f)).
+    row shows whether FP8 training still pays (0.76-0.99x BF16 before q/k/v and gate/up trained as one
+    Function, 0.93-1.13x after: docs/benchmarks.md (f)).
 (g) ``rl_step``: ``GRPOTrainer.train_step()`` -- rollout with the engine (``rl_prompts`` x
     ``rl_generations`` samples of ``rl_completion`` tokens, temperature 1, no EOS), the synthetic
     parity reward, old logprobs, the update. One warm-up step (graph capture, compilation),

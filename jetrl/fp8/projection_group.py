@@ -42,8 +42,9 @@ called), so no group keeps a prefill-sized activation alive past its layer.
   additions (gate/up: two and one), and k/v's narrow GEMMs join q's. What pays is the host: an eager
   FP8 fwd+bwd costs ~0.7-1.4 ms of host time whatever its size (bench/probe_host_parts.py), so small
   models trained slower in FP8 than in BF16: 0.76-0.99x at Qwen3-1.7B's shapes, 0.93-1.13x with this
-  (machines differ); 0.48x -> 0.59x at 0.6B (bench/probe_model_sizes.py, docs/benchmarks.md (f)). dX is rounded once instead of
-  after each member's GEMM and their sum: not bit-equal to separate members, and no less accurate.
+  (machines differ); 0.48x -> 0.59x at 0.6B (bench/probe_model_sizes.py, docs/benchmarks.md (f)).
+  dX is rounded once instead of after each member's GEMM and their sum: not bit-equal to separate
+  members, and no less accurate.
   Two differences a caller can see: the members' outputs are column views of one tensor, so an
   in-place op on one raises autograd's view error (jetrl's models do none: norm_rope, the KV
   transform and SwiGLU are out of place), and the members' weight gradients are row views of one
