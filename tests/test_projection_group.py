@@ -181,6 +181,17 @@ def test_stacked_training_falls_back_where_it_cannot_apply():
     assert not group.trains(torch.randn(5, CFG.hidden_size, device="meta"), spec)
 
 
+def test_stacked_training_switch(monkeypatch):
+    """JETRL_STACKED_TRAINING=0 trains the members separately; a bad value is an actionable error."""
+    monkeypatch.setenv("JETRL_STACKED_TRAINING", "0")
+    group = _model().model.layers[0].mlp.gate_proj.projection_group
+    group.devices = ("cuda", "cpu")
+    assert not group.trains(torch.randn(5, CFG.hidden_size), group.members[0].precision())
+    monkeypatch.setenv("JETRL_STACKED_TRAINING", "off")
+    with pytest.raises(ValueError, match="JETRL_STACKED_TRAINING='off' is not a valid choice"):
+        _model()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_stacked_path_on_cuda():
     torch.manual_seed(0)

@@ -49,7 +49,8 @@ called), so no group keeps a prefill-sized activation alive past its layer.
   in-place op on one raises autograd's view error (jetrl's models do none: norm_rope, the KV
   transform and SwiGLU are out of place), and the members' weight gradients are row views of one
   wgrad buffer (accumulation over micro-batches adds into each view). A member whose output is
-  unused gets no gradient, as when it runs alone.
+  unused gets no gradient, as when it runs alone. ``JETRL_STACKED_TRAINING=0`` (read when a group is
+  built, i.e. when the model is converted) trains the members separately, as before.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from jetrl.fp8.input_memo import InputMemo
 from jetrl.fp8.quant import BLOCK, E4M3, Float8Blocks, transpose_codes
 from jetrl.fp8.recipe import LinearPrecision, QuantSpec
 from jetrl.models.stacked_projections import SLOTS
+from jetrl.overrides import env_choice
 
 if TYPE_CHECKING:
     from jetrl.fp8.linear import Float8Linear
@@ -83,6 +85,7 @@ class ProjectionGroup:
         self.out_features = total
         self.name = _group_name([m.fqn for m in self.members])
         self.devices = ("cuda",)  # where the stacked paths run (tests widen it to the CPU)
+        self.train_stacked = stacked_training_enabled()
         self._stacked: Float8Blocks | None = None
         self._views: list[Float8Blocks] = []
         self._stacked_t: Float8Blocks | None = None  # W_s^T for dgrad, and the version it was built from
@@ -112,7 +115,8 @@ class ProjectionGroup:
         weight blocks, every member's weight trained, and the gradient's two layouts one 1x128 spec (the dual
         quantizer writes both; the recipes' own)."""
         grad = spec.grad_output
-        return (x.device.type in self.devices and not x.is_inference() and spec.weight.block == (BLOCK, BLOCK)
+        return (self.train_stacked and x.device.type in self.devices and not x.is_inference()
+                and spec.weight.block == (BLOCK, BLOCK)
                 and grad is not None and grad == spec.wgrad and grad.block == (1, BLOCK)
                 and all(m.weight.requires_grad for m in self.members))
 
@@ -186,6 +190,15 @@ class ProjectionGroup:
         self._stacked = Float8Blocks(codes, scales, (BLOCK, BLOCK))
         self._views = [Float8Blocks(codes[o:o + m.out_features], scales[o // BLOCK:(o + m.out_features) // BLOCK],
                                     (BLOCK, BLOCK)) for o, m in zip(self.offsets, self.members)]
+
+
+STACKED_TRAINING_ENV = "JETRL_STACKED_TRAINING"
+
+
+def stacked_training_enabled() -> bool:
+    """False when ``JETRL_STACKED_TRAINING=0`` (module docstring)."""
+    return env_choice(STACKED_TRAINING_ENV, ("0", "1"), "1 = sibling projections train as one autograd Function on "
+                      "CUDA, 0 = each member its own") != "0"
 
 
 def _group_name(names: list[str]) -> str:
