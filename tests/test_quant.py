@@ -12,6 +12,7 @@ from jetrl.fp8.quant import (
     NonFiniteError,
     amax_to_scale,
     quantize,
+    quantize_columns_with_transpose,
     quantize_with_transpose,
 )
 
@@ -192,3 +193,18 @@ def test_quantize_with_transpose_column_major_scales_hold_the_same_values():
     for g, w in zip(got, want):
         assert torch.equal(g.codes.view(torch.uint8), w.codes.view(torch.uint8)) and torch.equal(g.scales, w.scales)
         assert g.scales.stride() == (1, g.scales.shape[0]), g.scales.stride()
+
+
+def test_quantize_columns_with_transpose_is_the_concatenation():
+    """Sibling gradients quantized as one stacked operand: the codes and scales of quantizing their concatenation
+    (here the reference backend; the Triton kernel's column-offset writes in tests/test_kernels.py); parts that
+    cannot stack are an actionable error."""
+    torch.manual_seed(0)
+    parts = [torch.randn(40, 256), torch.randn(40, 128), torch.randn(40, 70)]
+    got = quantize_columns_with_transpose(parts, pow2_scale=True)
+    want = quantize_with_transpose(torch.cat(parts, dim=1), pow2_scale=True)
+    for g, w in zip(got, want):
+        assert torch.equal(g.codes.view(torch.uint8), w.codes.view(torch.uint8)) and torch.equal(g.scales, w.scales)
+    for bad in ([torch.randn(40, 100), torch.randn(40, 128)], [torch.randn(40, 128), torch.randn(39, 128)]):
+        with pytest.raises(ValueError, match="parts must share their rows"):
+            quantize_columns_with_transpose(bad)

@@ -223,12 +223,14 @@ def quantize_columns_with_transpose(
     outputs (one launch per part, as separate siblings cost, and no copy of the gradient); elsewhere the parts are
     concatenated first. Recorders see ``name`` and ``name + "_t"``.
     """
-    if any(p.shape[1] % BLOCK for p in parts[:-1]):
-        raise ValueError(f"{name}: every part but the last needs a multiple of {BLOCK} columns, got "
-                         f"{[p.shape[1] for p in parts]}")
     for p in parts:
         _validate(p, (1, BLOCK), name)
     first = parts[0]
+    if any(p.shape[1] % BLOCK for p in parts[:-1]) or any(p.shape[0] != first.shape[0] or p.device != first.device
+                                                           for p in parts):
+        raise ValueError(f"{name}: parts must share their rows and device, and every part but the last needs a "
+                         f"multiple of {BLOCK} columns; got shapes {[tuple(p.shape) for p in parts]} on "
+                         f"{sorted({str(p.device) for p in parts})}")
     width = sum(p.shape[1] for p in parts)
     if quant_backend(first.device) == "triton":
         from jetrl.fp8.kernels.quant_triton import dual_fits, quantize_dual_triton, scale_buffer
