@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from jetrl.bench.kernels import fresh_fwd_bwd
 from jetrl.bench.timing import host_and_device_ms
 from jetrl.fp8 import gemm as gemm_module
 from jetrl.fp8.gemm import fp8_gemm
@@ -55,24 +56,16 @@ def siblings(x: torch.Tensor, dy_width: int) -> dict:
     torch.manual_seed(0)
     sizes = (dy_width, dy_width // 4, dy_width // 4)
     bf16 = [nn.Linear(K, n, bias=False, device=DEV, dtype=BF) for n in sizes]
-    fp8 = [Float8Linear.from_float(nn.Linear(K, n, bias=False, device=DEV, dtype=BF), get_recipe("jet"),
-                                   name=f"probe.{s}_proj") for n, s in zip(sizes, "qkv")]
-    group = ProjectionGroup(fp8)
+    separate, stacked = ([Float8Linear.from_float(linear, get_recipe("jet"), name=f"probe.{s}_proj")
+                          for linear, s in zip(bf16, "qkv")] for _ in range(2))  # the BF16 weights, shared
+    group = ProjectionGroup(stacked)
+    for m in stacked:
+        m.projection_group = group
     dys = [torch.randn(x.shape[0], n, device=DEV, dtype=BF) for n in sizes]
-
-    def run(mods, stacked: bool):
-        def step():
-            clear_shared_input()
-            for m in mods:
-                m.weight.grad = None
-                m.projection_group = group if stacked else None
-            x.grad = None
-            torch.autograd.backward([m(x) for m in mods], dys)
-        return step
-
-    out = {"bf16 q/k/v nn.Linear fwd+bwd": run(bf16, False), "fp8 q/k/v separate fwd+bwd": run(fp8, False)}
+    out = {"bf16 q/k/v nn.Linear fwd+bwd": fresh_fwd_bwd(bf16, x, dys),
+           "fp8 q/k/v separate fwd+bwd": fresh_fwd_bwd(separate, x, dys)}
     if DEV.type == "cuda":
-        out["fp8 q/k/v one stacked Function fwd+bwd"] = run(fp8, True)
+        out["fp8 q/k/v one stacked Function fwd+bwd"] = fresh_fwd_bwd(stacked, x, dys)
     return out
 
 
@@ -92,12 +85,7 @@ def pieces() -> dict:
     tiny = torch.randn(8, 8, device=DEV, requires_grad=True)
 
     def fwd_bwd(mod):
-        def run():
-            clear_shared_input()
-            mod.weight.grad = None
-            x.grad = None
-            mod(x).backward(dy)
-        return run
+        return fresh_fwd_bwd([mod], x, [dy])
 
     def fwd(mod):
         def run():

@@ -26,11 +26,12 @@ import pstats
 import torch
 from torch import nn
 
+from jetrl.bench.kernels import fresh_fwd_bwd
 from jetrl.bench.shapes import h200_config
 from jetrl.bench.timing import host_and_device_ms, time_ms
 from jetrl.fp8 import linear as linear_module
 from jetrl.fp8.kernels import quant_triton
-from jetrl.fp8.linear import Float8Linear, clear_shared_input
+from jetrl.fp8.linear import Float8Linear
 from jetrl.fp8.recipe import get_recipe
 
 DEV, BF = torch.device("cuda"), torch.bfloat16
@@ -80,12 +81,7 @@ def main() -> None:
         dy = torch.randn(TOKENS, n, device=DEV, dtype=BF)
 
         def fwd_bwd(mod, x=x, dy=dy):
-            def run():
-                clear_shared_input()
-                mod.weight.grad = None
-                x.grad = None
-                mod(x).backward(dy)
-            return run
+            return fresh_fwd_bwd([mod], x, [dy])
 
         row = {"gemm": name, "k": k, "n": n}
         fwd_bwd(fp8)()  # the weight cache's first quantization checks finiteness (one sync, once per version)

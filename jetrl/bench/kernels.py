@@ -172,6 +172,20 @@ def float8_linear(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any]
     return rows
 
 
+def fresh_fwd_bwd(modules: list[nn.Module], x: torch.Tensor, grads: list[torch.Tensor]):
+    """A call that runs ``modules`` on ``x`` (which requires grad) and backpropagates ``grads`` into their outputs, as a
+    training step pays it: the held sibling quantization of ``x`` forgotten first (a fresh activation's cost, though
+    the same ``x`` comes back every call) and the gradients reset, so calls neither reuse nor accumulate."""
+
+    def run() -> None:
+        clear_shared_input()
+        for m in modules:
+            m.weight.grad = None
+        x.grad = None
+        torch.autograd.backward([m(x) for m in modules], grads)
+    return run
+
+
 def _linear_rows(cfg: BenchConfig, device: torch.device, name: str, m: int, k: int, n: int) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     recipe = get_recipe("jet")
@@ -203,12 +217,7 @@ def _linear_rows(cfg: BenchConfig, device: torch.device, name: str, m: int, k: i
     # (input_memo.py): it is forgotten before each call, so every call pays the quantization a fresh activation
     # does in training (without this the FP8 rows skipped x's quantization: runs before CF).
     def fwd_bwd(mod: nn.Module):
-        def run() -> None:
-            clear_shared_input()
-            mod.weight.grad = None
-            xg.grad = None
-            mod(xg).backward(dy)
-        return run
+        return fresh_fwd_bwd([mod], xg, [dy])
 
     def fwd(mod: nn.Module):
         def run() -> torch.Tensor:

@@ -66,9 +66,11 @@ class ProducerQuant:
         spec = consumer.precision()
         if not spec.is_fp8 or tuple(spec.input.block) != (1, BLOCK):
             return None
+        from jetrl.fp8.kernels.quant_triton import scale_buffer
+
         codes = torch.empty((rows, cols), dtype=E4M3, device=device)
         # column-major scales, as Float8Linear quantizes its input on CUDA (cuBLAS's layout for operand A)
-        scales = torch.empty((cols // BLOCK, rows), dtype=torch.float32, device=device).t()
+        scales = scale_buffer(rows, cols // BLOCK, True, device)
         return QuantizedOutput(codes, scales, spec.input.pow2_scale)
 
     def publish(self, out: torch.Tensor, quantized) -> None:
