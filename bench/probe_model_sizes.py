@@ -5,8 +5,9 @@ bench/probe_host_parts.py), so the host hides behind the GPU. A smaller model sh
 the host's: this runs section (f)'s own code (``jetrl.bench.training.training_phase``: old-logprob forward + one
 update of 16 x 1152 tokens, ``jet`` against ``bf16`` in one process) at Qwen3-1.7B and Qwen3-4B shapes (the real
 models' layer shapes; untied lm_head). Each size runs twice: as shipped, sibling projections training as one
-stacked Function (projection_group.py), and with them forced separate (``SEPARATE=0`` skips that arm; code without
-the stacked Function runs the first arm only, its own).
+stacked Function (projection_group.py), with them forced separate (``SEPARATE=0`` skips that arm; code without
+the stacked Function runs the first arm only, its own), and with both recipes' decoder layers replayed from CUDA
+graphs (jetrl/rl/train_graphs.py; ``GRAPHS=0`` skips that arm). The first two arms run eagerly.
 
     PYTHONPATH=. OUT=$OUT python3 bench/probe_model_sizes.py          # SIZES=1.7b,4b by default
 """
@@ -33,12 +34,15 @@ SHAPES = {  # Qwen3 configs: hidden, intermediate, heads, kv heads, layers (head
 def main() -> None:
     device = torch.device("cuda")
     results = {}
-    arms = {"stacked": contextlib.nullcontext}
+    arms = {"stacked": (contextlib.nullcontext, "off")}
     if hasattr(ProjectionGroup, "trains") and os.environ.get("SEPARATE", "1") == "1":
-        arms["separate"] = lambda: unittest.mock.patch.object(ProjectionGroup, "trains", lambda *a: False)
+        arms["separate"] = (lambda: unittest.mock.patch.object(ProjectionGroup, "trains", lambda *a: False), "off")
+    if os.environ.get("GRAPHS", "1") == "1":  # CUDA-graphed training layers (jetrl/rl/train_graphs.py), both recipes
+        arms["graphs"] = (contextlib.nullcontext, "on")
     for size in os.environ.get("SIZES", "1.7b,4b").split(","):
-        cfg = replace(h200_config(), small_train=None, **SHAPES[size])  # the size alone, not bench (f)'s second row
-        for arm, context in arms.items():
+        for arm, (context, graphs) in arms.items():
+            # the size alone, not bench (f)'s second row
+            cfg = replace(h200_config(), small_train=None, train_cuda_graphs=graphs, **SHAPES[size])
             with context():
                 rows = training_phase(cfg, device)
             results[f"{size} {arm}"] = rows

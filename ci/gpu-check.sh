@@ -28,6 +28,7 @@ python3 -m pytest -q -p no:cacheprovider -rs -s tests/test_engine_graphs.py test
   tests/test_decode_attention.py tests/test_kernels.py tests/test_linear.py tests/test_quant.py \
   tests/test_gemm_gluon.py tests/test_engine.py tests/test_scheduler.py tests/test_kv_quant.py \
   tests/test_stacked_projections.py tests/test_producer_quant.py tests/test_diagnose.py tests/test_kv_store.py tests/test_exact.py \
+  tests/test_train_graphs.py \
   tests/test_trainer.py::test_fp8_weight_caches_follow_a_fused_optimizer \
   tests/test_trainer.py::test_kill_dash_9_then_resume_is_bitwise_identical > "$out/gpu-tests.log" 2>&1
 tests_rc=$?

@@ -165,3 +165,5 @@ def test_out_of_memory_advice_names_the_stacks_when_they_hold_memory():
                       num_generations=2)
     assert "JETRL_BF16_STACKS=0" in advice("update", args, stacked_bytes(model))
     assert "JETRL_BF16_STACKS" not in advice("rollout", args, 0)
+    assert "grpo.train_cuda_graphs='off'" in advice("rollout", args, 0, train_graphs=True)
+    assert "train_cuda_graphs" not in advice("rollout", args, 0)

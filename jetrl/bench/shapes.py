@@ -86,6 +86,8 @@ class BenchConfig:
     torchao: bool = False  # (b) also torchao's blockwise FP8 linear (--torchao; jetrl/bench/torchao_baseline.py)
     # (f) also the training phase of a smaller model, where eager FP8 is host-bound: (label, fields to replace)
     small_train: tuple[str, dict] | None = None
+    # (f), (g): GRPOConfig.train_cuda_graphs of both recipes' trainers ('auto' = as shipped)
+    train_cuda_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         if self.layers < 1 or self.train_layers < 1:

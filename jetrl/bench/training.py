@@ -23,7 +23,8 @@ Old logprobs are *recomputed* by a trainer forward under both recipes (``old_log
     Target: >= 1.45x. Then the same at a smaller model's shapes (``small_train``: Qwen3-1.7B's), with
     no target: an eager FP8 linear pays its host ~1 ms per fwd+bwd whatever its size, so there the
     row shows whether FP8 training still pays (0.76-0.99x BF16 before q/k/v and gate/up trained as one
-    Function, 0.93-1.13x after: docs/benchmarks.md (f)).
+    Function, 0.93-1.13x after; 1.07-1.15x since both recipes' trainers replay the layers from CUDA graphs,
+    which ``train_cuda_graphs='auto'`` does up to 3.5B parameters -- the 8B row stays eager: docs/benchmarks.md (f)).
 (g) ``rl_step``: ``GRPOTrainer.train_step()`` -- rollout with the engine (``rl_prompts`` x
     ``rl_generations`` samples of ``rl_completion`` tokens, temperature 1, no EOS), the synthetic
     parity reward, old logprobs, the update. One warm-up step (graph capture, compilation),
@@ -62,7 +63,8 @@ def _trainer(model: nn.Module, recipe: str, records: list[dict], *, generations:
     args = GRPOConfig(max_steps=1_000_000, learning_rate=1e-6, num_generations=generations,
                       generation_batch_size=batch, per_device_train_batch_size=cfg.micro_batch,
                       gradient_accumulation_steps=batch // cfg.micro_batch, max_prompt_length=prompt_len,
-                      max_completion_length=completion_len, old_logprobs=old_logprobs, temperature=1.0)
+                      max_completion_length=completion_len, old_logprobs=old_logprobs, temperature=1.0,
+                      train_cuda_graphs=cfg.train_cuda_graphs)
     strip_precision(model)  # the trainer converts an unconverted model with its own recipe
     return GRPOTrainer(model, [parity_reward], args, records, tokenizer=IdTokenizer(), recipe=recipe,
                        accuracy_func=None)
@@ -168,8 +170,9 @@ def training_phase(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any
                "baseline_label": "bf16", "value": small["phase"].get("jet"), "value_label": "jet",
                "ratio": (small["phase"]["bf16"] / small["phase"]["jet"] if len(small["phase"]) == 2 else None),
                "old_logprobs_ms": small["old"], "update_ms": small["update"], "memory": small["memory"],
-               "note": small["model_note"] + "; no target: eager FP8 pays ~1 ms of host per linear fwd+bwd, "
-                       "which a small model's GPU work no longer hides"}
+               "note": small["model_note"] + f"; no target: train_cuda_graphs={cfg.train_cuda_graphs!r} (auto: CUDA "
+                       "graphs at this size, as the trainer ships), where eager FP8 would pay ~1 ms of host per linear "
+                       "fwd+bwd"}
         rows.append(_checked(row, small))
         rows.extend(small["rows"])
     return rows

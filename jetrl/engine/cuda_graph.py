@@ -29,10 +29,29 @@ results are ignored. Graphs share one memory pool and are captured lazily, on fi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
+    """``torch.cuda.graph(graph, pool=pool)`` with Python's cycle collector paused. Why: a CUDA graph freed while
+    another is being captured invalidates that capture ("operation not permitted when stream is capturing"), and
+    the collector may run at any allocation and free an unreachable object holding a graph (an engine and its
+    :class:`DecodeGraphs` form a reference cycle). Seen on the H200 when one process built several trainers in a
+    row (tests/test_train_graphs.py). ``torch.cuda.graph`` collects once on entry; nothing is collected inside."""
+    enabled = gc.isenabled()
+    with torch.cuda.graph(graph, pool=pool):
+        gc.disable()
+        try:
+            yield
+        finally:
+            if enabled:
+                gc.enable()
 
 
 def default_buckets(max_rows: int) -> list[int]:
@@ -82,7 +101,7 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with capturing(graph, self._pool):
             logits = self.step(b)
         self._graphs[b] = (graph, logits)
         self.num_captures += 1

@@ -64,6 +64,7 @@ from jetrl.fp8.gemm import fp8_gemm
 from jetrl.fp8.input_memo import InputMemo
 from jetrl.fp8.quant import BLOCK, E4M3, Float8Blocks, transpose_codes
 from jetrl.fp8.recipe import LinearPrecision, QuantSpec
+from jetrl.fp8.weight_cache import note_weight_read
 from jetrl.models.stacked_projections import SLOTS
 from jetrl.overrides import env_choice
 
@@ -165,6 +166,7 @@ class ProjectionGroup:
                 view.scales.copy_(q.scales)
                 m.weight_cache.adopt(view)
                 self._writes += 1
+        note_weight_read(self, "W_s", self._stacked, self.stacked_weight, spec)
         return self._stacked
 
     def stacked_weight_t(self, spec: QuantSpec) -> Float8Blocks:
@@ -180,6 +182,7 @@ class ProjectionGroup:
                 transpose_codes(stacked.codes, out=old.codes)
                 old.scales.copy_(stacked.scales.t())
             self._stacked_t_key = key
+        note_weight_read(self, "W_s^T", self._stacked_t, self.stacked_weight_t, spec)
         return self._stacked_t
 
     def _allocate(self, like: Float8Blocks) -> None:

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 
@@ -59,6 +60,48 @@ class _Deferred(threading.local):
 
 
 _deferred = _Deferred()
+
+
+class _Reads:  # not thread-local: autograd runs a CUDA backward (whose W^T reads count) on a thread of its own
+    log: dict[tuple[int, str], tuple[object, Callable[[], Float8Blocks], Float8Blocks]] | None = None
+    epoch = 0  # bumped whenever any cache's content changes other than by a read (cache_epoch)
+
+
+_reads = _Reads()
+
+
+@contextlib.contextmanager
+def recorded_weight_reads() -> Iterator[dict]:
+    """Log every cached FP8 weight buffer that is read inside the block (this class's :meth:`WeightCache.get` and
+    :meth:`~WeightCache.get_transposed`, a projection group's stacked W and W^T) as ``{key: (owner, reread,
+    blocks)}``: ``reread()`` brings that buffer up to date for the weight's current version, in place, and returns
+    it. Why: a CUDA graph captured inside the block reads those exact buffers on every replay, but the host logic
+    that refreshes them lazily does not run on a replay -- whoever replays it calls every ``reread`` first
+    (jetrl/rl/train_graphs.py) and checks that the addresses held still. Nested blocks share the outermost log.
+    The log is process-wide, not per thread: autograd runs a CUDA backward, whose dgrad reads W^T, on its own
+    device thread."""
+    outer = _reads.log
+    _reads.log = {} if outer is None else outer
+    try:
+        yield _reads.log
+    finally:
+        _reads.log = outer
+
+
+def cache_epoch() -> int:
+    """A number that changes whenever any weight cache is re-quantized, primed, re-pointed or invalidated: with the
+    weights' versions, what tells a CUDA graph's holder that no buffer it reads can have gone stale since it last
+    looked (jetrl/rl/train_graphs.py)."""
+    return _reads.epoch
+
+
+def note_weight_read(owner: object, kind: str, blocks: Float8Blocks, reread: Callable[..., Float8Blocks],
+                     *args) -> None:
+    """Log a read of ``blocks`` for :func:`recorded_weight_reads`, to be redone as ``reread(*args)`` (a no-op outside
+    one, which builds nothing: readers call it at every read)."""
+    log = _reads.log
+    if log is not None:
+        log[(id(owner), kind)] = (owner, partial(reread, *args), blocks)
 
 
 @contextlib.contextmanager
@@ -139,6 +182,8 @@ class WeightCache:
             self._transposed_stale = True
             self._key = key
             self.num_quantizations += 1
+            _reads.epoch += 1
+        note_weight_read(self, "W", self._weight, self.get, weight, spec)
         return self._weight
 
     def get_transposed(self, weight: torch.Tensor, spec: QuantSpec) -> Float8Blocks:
@@ -151,6 +196,7 @@ class WeightCache:
             self._weight_t.scales.copy_(quantized.scales.t())
             self._weight_t.forget()
         self._transposed_stale = False
+        note_weight_read(self, "W^T", self._weight_t, self.get_transposed, weight, spec)
         return self._weight_t
 
     def adopt(self, blocks: Float8Blocks) -> None:
@@ -160,6 +206,7 @@ class WeightCache:
         if self._weight is None or not _same_layout(self._weight, blocks):
             raise ValueError(f"{self.name}: can only adopt blocks of the cached weight's layout")
         self._weight = blocks  # same values: a transposed copy made from the old buffer stays valid
+        _reads.epoch += 1
 
     def prime(self, weight: torch.Tensor, spec: QuantSpec, quantized: Float8Blocks) -> None:
         """Install ``quantized`` as q(``weight``) for the weight's *current* version, without quantizing.
@@ -210,6 +257,7 @@ class WeightCache:
         self._weight = quantized.memoize() if quantized.codes.device.type == "cpu" else quantized
         self._weight_t = None
         self._key = self._key_of(weight, spec)
+        _reads.epoch += 1
 
     @staticmethod
     def _key_of(weight: torch.Tensor, spec: QuantSpec) -> tuple:
@@ -218,6 +266,7 @@ class WeightCache:
     def invalidate(self) -> None:
         """Forget the version: the next read quantizes again (into the same buffers)."""
         self._key = None
+        _reads.epoch += 1
 
 
 def _is_transpose_layout(t: Float8Blocks, q: Float8Blocks) -> bool:

@@ -314,6 +314,12 @@ class DecoderModel(nn.Module):
         mask = build_attn_mask(attention_mask, T, offset, input_ids.device)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(position_ids, x.dtype)
+        return self.run_layers(x, cos, sin, mask, kv_cache)
+
+    def run_layers(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None,
+                   kv_cache: KVCache | None = None) -> Tensor:
+        """The decoder layers and the final norm over embedded tokens ``x`` (B, T, H), with RoPE's ``cos``/``sin``
+        and ``mask`` as ``forward`` builds them: the part the trainer's CUDA graphs replay (jetrl/rl/train_graphs.py)."""
         delta = None  # each layer's output is x + delta, added by the next norm (DecoderLayer.forward)
         for layer in self.layers:
             x, delta = layer(x, cos, sin, mask, kv_cache, delta)

@@ -15,6 +15,7 @@ logits would dominate memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -74,11 +75,13 @@ class RolloutBatch:
 
 
 def completion_logprobs(model: nn.Module, batch: RolloutBatch, temperature: float = 1.0,
-                        with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+                        with_entropy: bool = False,
+                        hidden_states: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
     """(B, T) fp32 logprobs of the completion tokens under ``model`` (the current precision phase),
-    and optionally the (B, T) entropy of the full next-token distribution (no grad)."""
+    and optionally the (B, T) entropy of the full next-token distribution (no grad). ``hidden_states``
+    replaces ``model.hidden_states`` (the trainer's CUDA graphs, train_graphs.py)."""
     device = model.model.embed_tokens.weight.device
-    hidden = model.hidden_states(batch.input_ids.to(device))  # (B, L, H)
+    hidden = (hidden_states or model.hidden_states)(batch.input_ids.to(device))  # (B, L, H)
     comp_len = batch.completion_ids.shape[1]
     offsets = torch.arange(comp_len, device=device)
     positions = (batch.prompt_lengths.to(device)[:, None] - 1 + offsets).clamp(max=hidden.shape[1] - 1)  # (B, T)

@@ -54,9 +54,10 @@ class StepOutOfMemoryError(torch.OutOfMemoryError):
     """A phase of an RL step ran out of device memory; the message names the settings to lower."""
 
 
-def advice(phase: str, args: GRPOConfig, stacked_bytes: int = 0) -> str:
+def advice(phase: str, args: GRPOConfig, stacked_bytes: int = 0, train_graphs: bool = False) -> str:
     """What to lower when ``phase`` ("rollout", "old_logprobs" or "update") runs out of memory; ``stacked_bytes``:
-    what the BF16 sibling stacks hold (jetrl/models/stacked_projections.py)."""
+    what the BF16 sibling stacks hold (jetrl/models/stacked_projections.py); ``train_graphs``: whether the trainer's
+    CUDA graphs hold their memory (jetrl/rl/train_graphs.py)."""
     context = args.max_prompt_length + args.max_completion_length
     if phase == "rollout":
         text = (f"the engine's KV cache holds generation_batch_size={args.generation_batch_size} rows of up to "
@@ -70,13 +71,17 @@ def advice(phase: str, args: GRPOConfig, stacked_bytes: int = 0) -> str:
     if stacked_bytes:
         text += (f"; the BF16 rollout's stacked q/k/v and gate/up weights hold {stacked_bytes / 2**30:.1f} GiB: "
                  "JETRL_BF16_STACKS=0 runs them as separate GEMMs without that copy")
+    if train_graphs:
+        text += ("; the trainer's CUDA graphs hold one micro-batch's activations and the layers' gradients between "
+                 "updates: grpo.train_cuda_graphs='off' gives that memory back to every phase")
     return text
 
 
 @contextlib.contextmanager
-def oom_advice(phase: str, args: GRPOConfig, step: int, model: nn.Module | None = None) -> Iterator[None]:
+def oom_advice(phase: str, args: GRPOConfig, step: int, model: nn.Module | None = None,
+               train_graphs: bool = False) -> Iterator[None]:
     """Re-raise a ``torch.OutOfMemoryError`` inside the block as a :class:`StepOutOfMemoryError` with advice
-    (``model``: to tell what its BF16 sibling stacks hold)."""
+    (``model``: to tell what its BF16 sibling stacks hold; ``train_graphs``: see :func:`advice`)."""
     try:
         yield
     except StepOutOfMemoryError:
@@ -85,5 +90,5 @@ def oom_advice(phase: str, args: GRPOConfig, step: int, model: nn.Module | None 
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
         raise StepOutOfMemoryError(
             f"step {step}: the {phase} phase ran out of device memory ({first_line}); "
-            f"{advice(phase, args, stacked_bytes(model) if model is not None else 0)}; "
+            f"{advice(phase, args, stacked_bytes(model) if model is not None else 0, train_graphs)}; "
             "then resume from the last checkpoint (jetrl train --run-dir DIR --resume)") from exc

@@ -9,7 +9,8 @@
     correction    TIS / MIS weights from old vs rollout logprobs (off by default)           correction.py
     update        num_iterations epochs of micro-batches: policy_loss (loss.py), gradient
                   accumulation, clipping, a non-finite check, AdamW, then every FP8 weight is
-                  quantized once for the new version (refresh_weight_caches)
+                  quantized once for the new version (refresh_weight_caches); on CUDA the
+                  decoder layers' forward+backward replay from CUDA graphs      train_graphs.py
 
 This file only orchestrates; the math lives in the pure functions it calls. The recipe's
 rollout-subgraph check runs in the constructor, so an undeclared off-policy flow never starts.
@@ -48,6 +49,7 @@ from jetrl.rl.loss import policy_loss
 from jetrl.rl.memory import oom_advice
 from jetrl.rl.metrics import mismatch_metrics
 from jetrl.rl.rollout import rollout
+from jetrl.rl.train_graphs import TrainingGraphs, auto_enabled, unsupported_reason
 
 
 class NonFiniteStepError(RuntimeError):
@@ -85,6 +87,7 @@ class GRPOTrainer:
             remove_stacked_projections(self.ref_model)
         self.engine = Engine(self.model, tokenizer, max_slots=args.generation_batch_size,
                              max_len=args.max_prompt_length + args.max_completion_length, **(engine_kwargs or {}))
+        self.train_graphs = self._resolve_train_graphs(args.train_cuda_graphs)
         self.step = 0
         self.optimizer_steps = 0
         self.nonfinite_steps = 0
@@ -97,6 +100,16 @@ class GRPOTrainer:
             raise ValueError(f"grpo.old_logprobs='rollout' needs an on-policy recipe; {self.recipe.name!r} is "
                              "off-policy (its rollout graph differs from training): use 'recompute'")
         return choice
+
+    def _resolve_train_graphs(self, choice: str) -> TrainingGraphs | None:
+        if choice == "off":
+            return None
+        problem = unsupported_reason(self.model)
+        if problem and choice == "on":
+            raise ValueError(f"grpo.train_cuda_graphs='on' cannot apply: {problem}; use 'auto' or 'off'")
+        if problem or (choice == "auto" and not auto_enabled(self.model)):
+            return None
+        return TrainingGraphs(self.model, self.args.train_graph_length_multiple)
 
     # ------------------------------------------------------------------ data
     def prompt_indices(self, step: int) -> list[int]:
@@ -132,16 +145,17 @@ class GRPOTrainer:
         args, step = self.args, self.step
         t0 = self._clock()
         idx = self.prompt_indices(step)
-        with oom_advice("rollout", args, step, self.model):
+        graphs = self.train_graphs is not None
+        with oom_advice("rollout", args, step, self.model, graphs):
             batch, metrics, _ = rollout(self.engine, [self.prompt_ids[i] for i in idx],
                                         [self.records[i] for i in idx], self.reward_funcs, args,
                                         seed=args.seed * 1_000_003 + step, accuracy_func=self.accuracy_func)
         t1 = self._clock()
         if batch is not None:
-            with oom_advice("old_logprobs", args, step, self.model):
+            with oom_advice("old_logprobs", args, step, self.model, graphs):
                 self._old_logprobs(batch, metrics)
             t2 = self._clock()
-            with oom_advice("update", args, step, self.model):
+            with oom_advice("update", args, step, self.model, graphs):
                 self._update(batch, metrics)
         else:
             t2 = t1
@@ -156,7 +170,7 @@ class GRPOTrainer:
     def _old_logprobs(self, batch: RolloutBatch, metrics: dict[str, float]) -> None:
         if self.old_logprobs_source == "recompute":
             with torch.no_grad():
-                batch.old_logprobs = self._forward_logprobs(self.model, batch)
+                batch.old_logprobs = self._forward_logprobs(self.model, batch, self.train_graphs)
             metrics.update(mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, batch.completion_mask))
         else:
             batch.old_logprobs = batch.rollout_logprobs.clone()
@@ -164,9 +178,11 @@ class GRPOTrainer:
             with torch.no_grad():
                 batch.ref_logprobs = self._forward_logprobs(self.ref_model, batch)
 
-    def _forward_logprobs(self, model: nn.Module, batch: RolloutBatch) -> torch.Tensor:
+    def _forward_logprobs(self, model: nn.Module, batch: RolloutBatch,
+                          graphs: TrainingGraphs | None = None) -> torch.Tensor:
         size = self.args.per_device_train_batch_size
-        parts = [completion_logprobs(model, batch.select(slice(i, i + size)))[0].cpu()
+        hidden = graphs.hidden_states if graphs is not None else None
+        parts = [completion_logprobs(model, batch.select(slice(i, i + size)), hidden_states=hidden)[0].cpu()
                  for i in range(0, len(batch), size)]
         width = batch.completion_ids.shape[1]
         return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
@@ -184,6 +200,7 @@ class GRPOTrainer:
         entropy_sum = entropy_count = 0.0
         grad_norms: list[float] = []
         micro = 0
+        hidden = self.train_graphs.hidden_states if self.train_graphs is not None else None
         for iteration in range(args.num_iterations):
             for group_start in range(0, len(starts), accum):
                 group = starts[group_start: group_start + accum]
@@ -192,7 +209,7 @@ class GRPOTrainer:
                 losses = []
                 for r in rows:
                     sub = batch.select(r)
-                    lp, entropy = completion_logprobs(self.model, sub, with_entropy=True)
+                    lp, entropy = completion_logprobs(self.model, sub, with_entropy=True, hidden_states=hidden)
                     mask = sub.completion_mask.to(lp.device)
                     loss, stats = policy_loss(
                         lp, sub.old_logprobs.to(lp.device), sub.advantages.to(lp.device), mask,

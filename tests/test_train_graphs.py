@@ -1,0 +1,212 @@
+"""The trainer's CUDA-graphed decoder layers (jetrl/rl/train_graphs.py).
+
+On the GPU: a replayed micro-batch gives hidden states and gradients bit-identical to the eager model at the same
+(padded) shape -- across micro-batches of two shapes, gradient accumulation, optimizer steps with the FP8 weight
+caches re-quantized in between, and ``zero_grad(set_to_none=True)`` -- under ``bf16``, ``jet`` and ``jet_kv``;
+a backward whose activations a later forward overwrote raises; the forward-only graph of a no-grad pass. On the CPU: the configuration's checks, and
+that ``auto`` stays eager where graphs cannot run.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from jetrl.fp8 import convert_to_float8, get_recipe, refresh_weight_caches, track_optimizer
+from jetrl.models import CausalLM, ModelConfig
+from jetrl.rl import GRPOConfig
+from jetrl.rl.train_graphs import TrainingGraphs, unsupported_reason
+
+CFG = ModelConfig(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, qk_norm=True, architecture="Qwen3ForCausalLM")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="train_cuda_graphs"):
+        GRPOConfig(train_cuda_graphs="yes")
+    with pytest.raises(ValueError, match="train_graph_length_multiple"):
+        GRPOConfig(train_graph_length_multiple=0)
+
+
+def test_cpu_model_is_refused_with_the_reason():
+    model = CausalLM(CFG)
+    assert "CUDA" in unsupported_reason(model)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        TrainingGraphs(model)
+    assert "not a jetrl CausalLM" in unsupported_reason(torch.nn.Linear(2, 2))
+
+
+def test_trainer_auto_stays_eager_on_cpu_and_on_refuses():
+    from jetrl.bench.synthetic import IdTokenizer, parity_reward, random_records
+    from jetrl.rl import GRPOTrainer
+
+    def trainer(choice):
+        args = GRPOConfig(max_steps=1, num_generations=2, generation_batch_size=2, per_device_train_batch_size=2,
+                          gradient_accumulation_steps=1, max_prompt_length=4, max_completion_length=4,
+                          train_cuda_graphs=choice)
+        return GRPOTrainer(CausalLM(CFG), [parity_reward], args, random_records(2, 4, CFG.vocab_size),
+                           tokenizer=IdTokenizer(), recipe="jet", accuracy_func=None)
+
+    assert trainer("auto").train_graphs is None
+    with pytest.raises(ValueError, match="train_cuda_graphs='on' cannot apply"):
+        trainer("on")
+
+
+def test_recorded_weight_reads_and_the_cache_epoch():
+    """What a replay relies on, on the CPU: every FP8 weight buffer a training forward+backward reads is logged
+    (W by fprop, W^T by dgrad, a group's stacked W and W^T where siblings train as one Function), and a reread
+    after an optimizer step writes the new version into the very same buffers; any cache change moves the epoch."""
+    from jetrl.fp8.quant import quantize
+    from jetrl.fp8.weight_cache import cache_epoch, recorded_weight_reads
+
+    torch.manual_seed(0)
+    model = convert_to_float8(CausalLM(CFG), get_recipe("jet"))
+    group = model.model.layers[0].self_attn.q_proj.projection_group
+    group.devices = ("cpu",)  # the stacked Function, CUDA-only by default
+    ids = torch.randint(0, CFG.vocab_size, (2, 8))
+    with recorded_weight_reads() as reads:
+        model.hidden_states(ids).float().sum().backward()
+    kinds = {}
+    for owner, _, _ in reads.values():
+        kinds.setdefault(type(owner).__name__, 0)
+        kinds[type(owner).__name__] += 1
+    # every linear's W and W^T (7 per layer), but layer 0's q/k/v read their W^T as the group's W_s^T (and its W_s)
+    assert kinds == {"WeightCache": 2 * 7 * CFG.num_hidden_layers - 3, "ProjectionGroup": 2}, kinds
+    held = {key: (blocks.codes.data_ptr(), blocks.scales.data_ptr()) for key, (_, _, blocks) in reads.items()}
+    epoch = cache_epoch()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    for key, (_, reread, _) in reads.items():
+        now = reread()
+        assert (now.codes.data_ptr(), now.scales.data_ptr()) == held[key]  # in place
+    assert cache_epoch() > epoch
+    o_proj = model.model.layers[1].self_attn.o_proj
+    fresh = quantize(o_proj.weight.detach(), (128, 128))
+    assert torch.equal(o_proj.weight_cache.get(o_proj.weight, get_recipe("jet").train.weight).codes.view(torch.uint8),
+                       fresh.codes.view(torch.uint8))
+    epoch = cache_epoch()
+    o_proj.weight_cache.invalidate()
+    assert cache_epoch() > epoch
+
+
+def _models(recipe):
+    torch.manual_seed(0)
+    eager = CausalLM(CFG).to("cuda", torch.bfloat16)
+    graphed = copy.deepcopy(eager)
+    if recipe != "bf16":
+        eager, graphed = (convert_to_float8(m, get_recipe(recipe)) for m in (eager, graphed))
+    return eager, graphed
+
+
+def _micro_batch(model, ids, hidden_states, weights):
+    """A loss over the real (unpadded) positions, as the trainer's: hidden states of the first ``L`` tokens."""
+    h = hidden_states(ids)
+    loss = (h.float() * weights).sum()
+    loss.backward()
+    return h.detach().clone()
+
+
+@cuda
+@pytest.mark.parametrize("recipe", ["bf16", "jet", "jet_kv"])
+def test_replay_is_bit_identical_to_eager_at_the_padded_shape(recipe):
+    eager, graphed = _models(recipe)
+    graphs = TrainingGraphs(graphed, length_multiple=64)
+    optimizers = []
+    for model in (eager, graphed):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        track_optimizer(opt)
+        optimizers.append(opt)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    shapes = [(3, 50), (3, 100), (3, 64), (2, 120)]  # buckets 64, 128, 64, 128 (two rows: a third shape)
+    for step in range(3):
+        for rows, length in shapes:
+            ids = torch.randint(0, CFG.vocab_size, (rows, length), device="cuda", generator=gen)
+            weights = torch.randn(rows, length, CFG.hidden_size, device="cuda", generator=gen)
+            padded = torch.nn.functional.pad(ids, (0, graphs.padded_length(length) - length))
+            h_eager = _micro_batch(eager, padded, lambda t, n=length: eager.hidden_states(t)[:, :n], weights)
+            h_graph = _micro_batch(graphed, ids, graphs.hidden_states, weights)
+            assert torch.equal(h_eager, h_graph), (recipe, step, rows, length)
+        for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
+            if name == "lm_head.weight":  # not in hidden_states
+                assert p.grad is None and q.grad is None
+                continue
+            assert torch.equal(p.grad, q.grad), (recipe, step, name)
+        for model, opt in zip((eager, graphed), optimizers):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            refresh_weight_caches(model)
+    assert graphs.num_captures == 3 and graphs.num_replays == 3 * len(shapes)
+
+
+@cuda
+def test_a_stale_backward_raises_and_replaced_grads_are_kept():
+    _, model = _models("jet")
+    graphs = TrainingGraphs(model, length_multiple=64)
+    ids = torch.randint(0, CFG.vocab_size, (2, 40), device="cuda")
+    first = graphs.hidden_states(ids).float().sum()
+    graphs.hidden_states(ids).float().sum().backward()
+    with pytest.raises(RuntimeError, match="a later forward has overwritten"):
+        first.backward()
+    norm = model.model.norm.weight
+    before = norm.grad.clone()
+    norm.grad = torch.ones_like(norm)  # a replaced gradient is folded into the graph's buffer, not lost
+    graphs.hidden_states(ids).float().sum().backward()
+    assert torch.equal(norm.grad, before + 1)
+    padded = torch.nn.functional.pad(ids, (0, 24))
+    attn, captures = model.model.layers[0].self_attn, graphs.num_captures
+    with torch.no_grad():  # a write that bypasses the version counter, so its owner says so
+        attn.o_proj.weight.data.mul_(0.5)
+        attn.o_proj.weight_cache.invalidate()
+    got = graphs.hidden_states(ids).clone()  # re-quantized in place before the replay: no recapture
+    assert torch.equal(got, model.hidden_states(padded)[:, :40]) and graphs.num_captures == captures
+    model.model.norm.weight.data = model.model.norm.weight.data * 2  # a parameter moved: captured again
+    got = graphs.hidden_states(ids).clone()
+    assert torch.equal(got, model.hidden_states(padded)[:, :40]) and graphs.num_captures == captures + 1
+    with torch.no_grad():  # without autograd (an old-logprob pass): a forward graph of its own
+        captures, replays = graphs.num_captures, graphs.num_replays
+        for _ in range(2):
+            assert torch.equal(graphs.hidden_states(ids), model.hidden_states(padded)[:, :40])
+        assert (graphs.num_captures, graphs.num_replays) == (captures + 1, replays + 2)
+
+
+@cuda
+@pytest.mark.parametrize("recipe", ["bf16", "jet"])
+def test_trainer_with_graphs_equals_the_eager_trainer(recipe):
+    """GRPOTrainer end to end (rollout, old logprobs, update, optimizer, FP8 re-quantization): with a length
+    multiple of 1 no input is padded, so after two RL steps the graphed trainer's weights are the eager one's, bit
+    for bit. With the default multiple its micro-batches are padded: one step's update then differs from the
+    eager one's by rounding (BF16 GEMMs of another shape; FP8 wgrad groups along tokens that take in the
+    padding), far less than the update itself."""
+    from jetrl.bench.synthetic import IdTokenizer, parity_reward, random_records
+    from jetrl.rl import GRPOTrainer
+
+    records = random_records(4, 6, CFG.vocab_size, seed=3)
+
+    def run(choice, steps, multiple=128):
+        torch.manual_seed(0)
+        model = CausalLM(CFG).to("cuda", torch.bfloat16)
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        args = GRPOConfig(max_steps=steps, num_generations=2, generation_batch_size=8, per_device_train_batch_size=2,
+                          gradient_accumulation_steps=2, max_prompt_length=6, max_completion_length=12,
+                          old_logprobs="recompute", train_cuda_graphs=choice, train_graph_length_multiple=multiple,
+                          learning_rate=1e-3)
+        trainer = GRPOTrainer(model, [parity_reward], args, records, tokenizer=IdTokenizer(), recipe=recipe,
+                              accuracy_func=None)
+        history = trainer.train()
+        assert all(torch.isfinite(torch.tensor(m["grad_norm"])) for m in history)
+        return trainer, start, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+    eager, _, w_eager = run("off", steps=2)
+    assert eager.train_graphs is None
+    exact, _, w_exact = run("on", steps=2, multiple=1)
+    assert exact.train_graphs.num_replays > 0
+    for name, w in w_eager.items():
+        assert torch.equal(w, w_exact[name]), name
+    _, start, w_one = run("off", steps=1)
+    padded, _, w_padded = run("auto", steps=1)
+    assert padded.train_graphs is not None and padded.train_graphs.num_replays > 0
+    update = sum(float((w_one[n].float() - w.float()).norm()) for n, w in start.items())
+    apart = sum(float((w_padded[n].float() - w_one[n].float()).norm()) for n in start)
+    assert 0 < update and apart < 0.5 * update, (apart, update)
