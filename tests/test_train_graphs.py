@@ -27,6 +27,16 @@ def test_config_checks():
         GRPOConfig(train_cuda_graphs="yes")
     with pytest.raises(ValueError, match="train_graph_length_multiple"):
         GRPOConfig(train_graph_length_multiple=0)
+    assert GRPOConfig(train_cuda_graphs=True).train_cuda_graphs == "on"  # YAML's reading of an override's "on"
+    assert GRPOConfig(train_cuda_graphs=False).train_cuda_graphs == "off"
+
+
+def test_the_command_line_takes_on_and_off():
+    from jetrl.run.config import resolve_config
+    from jetrl.run.presets import get_preset
+
+    for word in ("on", "off", "auto"):
+        assert resolve_config(get_preset("tiny"), None, [f"grpo.train_cuda_graphs={word}"]).grpo.train_cuda_graphs == word
 
 
 def test_cpu_model_is_refused_with_the_reason():
@@ -51,6 +61,18 @@ def test_trainer_auto_stays_eager_on_cpu_and_on_refuses():
     assert trainer("auto").train_graphs is None
     with pytest.raises(ValueError, match="train_cuda_graphs='on' cannot apply"):
         trainer("on")
+    # which hidden_states the trainer uses: 'auto' stays eager in exact mode, 'on' does not
+    from types import SimpleNamespace
+
+    from jetrl.exact import use_exact
+
+    t = trainer("off")
+    t.train_graphs = SimpleNamespace(hidden_states=len)
+    for choice, in_exact in (("auto", None), ("on", len)):
+        t.args.train_cuda_graphs = choice
+        assert t._graphed_hidden_states() is len
+        with use_exact():
+            assert t._graphed_hidden_states() is in_exact
 
 
 def test_recorded_weight_reads_and_the_cache_epoch():

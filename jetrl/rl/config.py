@@ -62,14 +62,17 @@ class GRPOConfig:
     rollout_correction_threshold: float = _f(2.0, "C of TIS/MIS (> 1)")
     nonfinite_step: str = _f("skip", "a step whose loss or gradient is NaN/Inf: 'skip' it or 'stop' the run")
     # --- speed
-    train_cuda_graphs: str = _f("auto", "replay the decoder layers' training forward+backward from CUDA graphs, one "
-                                "per micro-batch shape: 'on', 'off', or 'auto' (on for models of up to 3.5B "
-                                "parameters on CUDA, where eager training is host-bound; jetrl/rl/train_graphs.py "
-                                "says what it costs)")
+    train_cuda_graphs: str | bool = _f("auto", "replay the decoder layers' training forward+backward from CUDA graphs, "
+                                       "one per micro-batch shape: 'on' (or true), 'off' (or false), or 'auto' (on "
+                                       "for models of up to 3.5B parameters on CUDA, where eager training is "
+                                       "host-bound, except in exact mode; jetrl/rl/train_graphs.py says what it "
+                                       "costs)")
     train_graph_length_multiple: int = _f(128, "with train_cuda_graphs, micro-batch lengths are padded up to a "
                                           "multiple of this (fewer shapes to capture against more padding)")
 
     def __post_init__(self) -> None:
+        if isinstance(self.train_cuda_graphs, bool):  # YAML reads an override's on/off as a boolean
+            self.train_cuda_graphs = "on" if self.train_cuda_graphs else "off"
         positive = ("max_steps", "num_generations", "generation_batch_size", "max_prompt_length",
                     "max_completion_length", "per_device_train_batch_size", "gradient_accumulation_steps",
                     "num_iterations", "train_graph_length_multiple")

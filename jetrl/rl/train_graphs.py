@@ -38,7 +38,9 @@ What a replay cannot do, and how this file covers it:
   backward after a later forward raises instead of reading overwritten activations.
 
 Numerics: a replay runs exactly the kernels an eager call at the padded shape runs, so results are
-bit-identical to the eager model at that shape (tests/test_train_graphs.py). Against the eager model at the
+bit-identical to the eager model at that shape (tests/test_train_graphs.py). (The trainer's ``auto`` still runs
+eagerly in exact mode, jetrl/exact.py: its zero rollout-vs-trainer mismatch with the graphs has not been measured on
+a GPU yet.) Against the eager model at the
 unpadded length, the FP8 wgrad's 1x128 groups along tokens take in the padding rows' activations, as they
 already take in the padding of a micro-batch's shorter sequences.
 """

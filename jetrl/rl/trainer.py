@@ -30,6 +30,7 @@ from torch import nn
 
 from jetrl.data import encode_prompts
 from jetrl.engine import Engine
+from jetrl.exact import exact_requested
 from jetrl.fp8 import (
     Recipe,
     check_model_precision,
@@ -111,6 +112,14 @@ class GRPOTrainer:
             return None
         return TrainingGraphs(self.model, self.args.train_graph_length_multiple)
 
+    def _graphed_hidden_states(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The CUDA graphs' ``hidden_states``, or None (eager). ``auto`` stays eager in exact mode: the graphs replay
+        the eager kernels bit for bit, but exact mode's end-to-end zero mismatch has not been measured on a GPU with
+        them yet (``'on'`` takes them there too)."""
+        if self.train_graphs is None or (self.args.train_cuda_graphs == "auto" and exact_requested()):
+            return None
+        return self.train_graphs.hidden_states
+
     # ------------------------------------------------------------------ data
     def prompt_indices(self, step: int) -> list[int]:
         """The records of RL step ``step``: an epoch-wise permutation seeded by (seed, epoch)."""
@@ -170,7 +179,7 @@ class GRPOTrainer:
     def _old_logprobs(self, batch: RolloutBatch, metrics: dict[str, float]) -> None:
         if self.old_logprobs_source == "recompute":
             with torch.no_grad():
-                batch.old_logprobs = self._forward_logprobs(self.model, batch, self.train_graphs)
+                batch.old_logprobs = self._forward_logprobs(self.model, batch, self._graphed_hidden_states())
             metrics.update(mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, batch.completion_mask))
         else:
             batch.old_logprobs = batch.rollout_logprobs.clone()
@@ -179,9 +188,8 @@ class GRPOTrainer:
                 batch.ref_logprobs = self._forward_logprobs(self.ref_model, batch)
 
     def _forward_logprobs(self, model: nn.Module, batch: RolloutBatch,
-                          graphs: TrainingGraphs | None = None) -> torch.Tensor:
+                          hidden: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         size = self.args.per_device_train_batch_size
-        hidden = graphs.hidden_states if graphs is not None else None
         parts = [completion_logprobs(model, batch.select(slice(i, i + size)), hidden_states=hidden)[0].cpu()
                  for i in range(0, len(batch), size)]
         width = batch.completion_ids.shape[1]
@@ -200,7 +208,7 @@ class GRPOTrainer:
         entropy_sum = entropy_count = 0.0
         grad_norms: list[float] = []
         micro = 0
-        hidden = self.train_graphs.hidden_states if self.train_graphs is not None else None
+        hidden = self._graphed_hidden_states()
         for iteration in range(args.num_iterations):
             for group_start in range(0, len(starts), accum):
                 group = starts[group_start: group_start + accum]
