@@ -70,9 +70,9 @@ def test_trainer_auto_stays_eager_on_cpu_and_on_refuses():
     t.train_graphs = SimpleNamespace(hidden_states=len)
     for choice, in_exact in (("auto", None), ("on", len)):
         t.args.train_cuda_graphs = choice
-        assert t._graphed_hidden_states() is len
+        assert t.graphed_hidden_states() is len
         with use_exact():
-            assert t._graphed_hidden_states() is in_exact
+            assert t.graphed_hidden_states() is in_exact
 
 
 def test_recorded_weight_reads_and_the_cache_epoch():

@@ -112,7 +112,7 @@ class GRPOTrainer:
             return None
         return TrainingGraphs(self.model, self.args.train_graph_length_multiple)
 
-    def _graphed_hidden_states(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    def graphed_hidden_states(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """The CUDA graphs' ``hidden_states``, or None (eager). ``auto`` stays eager in exact mode: the graphs replay
         the eager kernels bit for bit, but exact mode's end-to-end zero mismatch has not been measured on a GPU with
         them yet (``'on'`` takes them there too)."""
@@ -179,7 +179,7 @@ class GRPOTrainer:
     def _old_logprobs(self, batch: RolloutBatch, metrics: dict[str, float]) -> None:
         if self.old_logprobs_source == "recompute":
             with torch.no_grad():
-                batch.old_logprobs = self._forward_logprobs(self.model, batch, self._graphed_hidden_states())
+                batch.old_logprobs = self._forward_logprobs(self.model, batch, self.graphed_hidden_states())
             metrics.update(mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, batch.completion_mask))
         else:
             batch.old_logprobs = batch.rollout_logprobs.clone()
@@ -208,7 +208,7 @@ class GRPOTrainer:
         entropy_sum = entropy_count = 0.0
         grad_norms: list[float] = []
         micro = 0
-        hidden = self._graphed_hidden_states()
+        hidden = self.graphed_hidden_states()
         for iteration in range(args.num_iterations):
             for group_start in range(0, len(starts), accum):
                 group = starts[group_start: group_start + accum]
