@@ -194,6 +194,29 @@ def test_a_stale_backward_raises_and_replaced_grads_are_kept():
 
 
 @cuda
+def test_gradients_follow_any_zeroing_order_and_shapes_are_evicted():
+    _, model = _models("jet")
+    graphs = TrainingGraphs(model, length_multiple=64, max_graphs=2)
+    params = list(model.model.layers.parameters())
+    ids = torch.randint(0, CFG.vocab_size, (2, 40), device="cuda")
+    graphs.hidden_states(ids).float().sum().backward()
+    expected = [p.grad.clone() for p in params]
+    loss = graphs.hidden_states(ids).float().sum()
+    model.zero_grad(set_to_none=True)  # between a forward and its backward: the backward still lands in .grad
+    loss.backward()
+    assert all(torch.equal(p.grad, e) for p, e in zip(params, expected))
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():  # a no-grad pass leaves the gradients alone
+        graphs.hidden_states(ids)
+    assert all(p.grad is None for p in params)
+    captures = graphs.num_captures  # two shapes held: training and no-grad at 64 tokens
+    graphs.hidden_states(ids[:, :30].repeat(1, 3)).float().sum().backward()  # 90 tokens -> 128: evicts no-grad
+    with torch.no_grad():
+        graphs.hidden_states(ids)  # captured again
+    assert graphs.num_captures == captures + 2 and len(graphs._graphs) == 2
+
+
+@cuda
 @pytest.mark.parametrize("recipe", ["bf16", "jet"])
 def test_trainer_with_graphs_equals_the_eager_trainer(recipe):
     """GRPOTrainer end to end (rollout, old logprobs, update, optimizer, FP8 re-quantization): with a length

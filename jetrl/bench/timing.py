@@ -34,6 +34,8 @@ from collections.abc import Callable
 
 import torch
 
+from jetrl.engine.cuda_graph import capturing
+
 HBM_BYTES_PER_S = 4.3e12  # H200 copy ceiling, bytes/s (read + written), design.md §3
 
 
@@ -88,7 +90,7 @@ def graph_time_us(fn: Callable[[], object], device: torch.device, *, calls: int,
             fn()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capturing(graph):  # the cycle collector paused (jetrl/engine/cuda_graph.py)
         for _ in range(calls):
             fn()
     try:

@@ -39,19 +39,20 @@ from torch import Tensor
 
 @contextlib.contextmanager
 def capturing(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
-    """``torch.cuda.graph(graph, pool=pool)`` with Python's cycle collector paused. Why: a CUDA graph freed while
-    another is being captured invalidates that capture ("operation not permitted when stream is capturing"), and
-    the collector may run at any allocation and free an unreachable object holding a graph (an engine and its
-    :class:`DecodeGraphs` form a reference cycle). Seen on the H200 when one process built several trainers in a
-    row (tests/test_train_graphs.py). ``torch.cuda.graph`` collects once on entry; nothing is collected inside."""
+    """``torch.cuda.graph(graph, pool=pool)`` with Python's cycle collector paused from before the capture begins
+    until after it ends. Why: a CUDA graph freed while another is being captured invalidates that capture
+    ("operation not permitted when stream is capturing"), and the collector may run at any allocation and free an
+    unreachable object holding a graph (an engine and its :class:`DecodeGraphs` form a reference cycle). Seen on the
+    H200 when one process built several trainers in a row (tests/test_train_graphs.py, run EP). Unreachable objects
+    are collected later, outside any capture."""
     enabled = gc.isenabled()
-    with torch.cuda.graph(graph, pool=pool):
-        gc.disable()
-        try:
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
             yield
-        finally:
-            if enabled:
-                gc.enable()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def default_buckets(max_rows: int) -> list[int]:

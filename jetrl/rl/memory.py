@@ -72,8 +72,9 @@ def advice(phase: str, args: GRPOConfig, stacked_bytes: int = 0, train_graphs: b
         text += (f"; the BF16 rollout's stacked q/k/v and gate/up weights hold {stacked_bytes / 2**30:.1f} GiB: "
                  "JETRL_BF16_STACKS=0 runs them as separate GEMMs without that copy")
     if train_graphs:
-        text += ("; the trainer's CUDA graphs hold one micro-batch's activations and the layers' gradients between "
-                 "updates: grpo.train_cuda_graphs='off' gives that memory back to every phase")
+        text += ("; the trainer's CUDA graphs hold a micro-batch's activations, each captured shape's input and "
+                 "output, and the layers' gradients between updates: grpo.train_cuda_graphs='off' gives that memory "
+                 "back to every phase")
     return text
 
 

@@ -10,10 +10,10 @@ What is graphed: ``DecoderModel.run_layers`` -- every decoder layer and the fina
 tokens x (B, L, H) to the normed hidden states. The embedding, the LM head, the logprobs and the loss stay
 eager (a handful of ops, and the LM head's (tokens, vocab) logits are sized by the completion, not by L).
 Under autograd (the update) a forward graph and a backward graph per micro-batch shape; without it (the
-old-logprob pass) a forward graph alone. Shapes are (rows, length rounded up to ``length_multiple``, and the
-precision phase): the input is padded
-on the right with token 0, which changes no real token's hidden state (causal attention; padding only
-follows), and the padded positions get no gradient (the loss never gathers them).
+old-logprob pass) a forward graph alone. A shape is (rows, length rounded up to ``length_multiple``, training or
+not, the precision phase, exact mode or not): the input is padded on the right with token 0, which changes no real
+token's hidden state (causal attention; padding only follows), and the padded positions get no gradient (the loss
+never gathers them).
 
     forward   copy x into the graph's input; replay; the output is the graph's static (B, L', H) buffer
     backward  copy dh into the graph's static gradient; replay: dx for the embedding's backward, and every
@@ -22,40 +22,53 @@ follows), and the padded positions get no gradient (the loss never gathers them)
 
 What a replay cannot do, and how this file covers it:
 * **Weights.** The graph reads the FP8 weight caches' buffers (codes and scales of W, W^T, the stacked W_s
-  and W_s^T), which the host logic refreshes lazily -- and no host logic runs on a replay. Capture records
-  every buffer read (:func:`~jetrl.fp8.weight_cache.recorded_weight_reads`); before a replay, if any weight's
-  version or any cache changed since the last look (:func:`~jetrl.fp8.weight_cache.cache_epoch`), every one
-  is brought up to date for the weights' current version, in place. The BF16 parameters are read where they
-  are, as the optimizer writes them in place. If a buffer or a parameter moved to a new address, or the set
-  of trained parameters changed, the graphs are dropped and captured again.
-* **Gradients.** The graph accumulates into the ``.grad`` tensors that existed at capture. Before each
-  replay a parameter whose ``.grad`` is None (``zero_grad(set_to_none=True)``) gets that tensor back,
-  zeroed; one whose ``.grad`` was replaced has it folded in. So the trainer's own zeroing, clipping and
-  optimizer work unchanged. Those gradient tensors stay allocated between steps (a parameter's worth of
-  memory), as does the graphs' memory pool (one micro-batch's activations, shared by every shape).
+  and W_s^T) and, in a BF16 no-grad pass, the BF16 sibling stacks (jetrl/models/stacked_projections.py), which
+  host logic refreshes lazily -- and no host logic runs on a replay. Capture records every FP8 buffer read
+  (:func:`~jetrl.fp8.weight_cache.recorded_weight_reads`); before a replay, if any parameter's version, address or
+  identity, or any cache (:func:`~jetrl.fp8.weight_cache.cache_epoch`), changed since the last look, every one of
+  those buffers and the stacks are brought up to date for the weights' current version, in place. The other BF16
+  parameters are read where they are, as the optimizer writes them in place. If a buffer or a parameter moved to a
+  new address, a parameter was replaced, or the set of trained parameters changed, the graphs are dropped and
+  captured again.
+* **Gradients.** The backward graph adds into the ``.grad`` tensors that existed at capture. Just before each
+  backward replay, a parameter whose ``.grad`` is None (``zero_grad(set_to_none=True)``) gets that tensor back,
+  zeroed, and one whose ``.grad`` was replaced (same shape and dtype) has it copied in. So zeroing, clipping and the
+  optimizer work unchanged, in any order. Two differences from eager autograd: those gradient tensors stay
+  allocated between steps (a parameter's worth of memory), and a backward through the graph adds into every layer
+  parameter's ``.grad`` even under ``torch.autograd.grad`` or ``backward(inputs=...)`` -- the graphs serve the
+  trainer's plain ``loss.backward()``.
 * **One micro-batch at a time.** Every shape shares one memory pool, so a replay overwrites what an
   earlier forward left for its backward: the hidden states of a call are valid until the next call, and a
   backward after a later forward raises instead of reading overwritten activations.
 
+Memory: the pool holds the activations of the largest micro-batch captured, shared by every shape; each shape
+also keeps its static tensors, (rows, L', hidden) each -- input, output, output gradient and input gradient for
+training, input and output for a forward-only graph (at Qwen3-1.7B's width, 8 rows of 1152 tokens: 151 MB a
+training shape). At most ``max_graphs`` shapes are kept; the least recently used one is dropped beyond that.
+
 Numerics: a replay runs exactly the kernels an eager call at the padded shape runs, so results are
 bit-identical to the eager model at that shape (tests/test_train_graphs.py). (The trainer's ``auto`` still runs
 eagerly in exact mode, jetrl/exact.py: its zero rollout-vs-trainer mismatch with the graphs has not been measured on
-a GPU yet.) Against the eager model at the
-unpadded length, the FP8 wgrad's 1x128 groups along tokens take in the padding rows' activations, as they
-already take in the padding of a micro-batch's shorter sequences.
+a GPU yet.) Against the eager model at the unpadded length, the FP8 wgrad's 1x128 groups along tokens take in the
+padding rows' activations, as they already take in the padding of a micro-batch's shorter sequences.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 from torch import Tensor, nn
 
 from jetrl.engine.cuda_graph import capturing
+from jetrl.exact import exact_active
 from jetrl.fp8.linear import clear_shared_input
 from jetrl.fp8.recipe import current_phase
 from jetrl.fp8.weight_cache import cache_epoch, recorded_weight_reads
+from jetrl.models.stacked_projections import refresh_stacked_projections
 
 DEFAULT_LENGTH_MULTIPLE = 128
+DEFAULT_MAX_GRAPHS = 16  # captured shapes kept (module docstring: memory)
 AUTO_MAX_PARAMETERS = 3.5e9  # auto_enabled
 
 
@@ -64,21 +77,22 @@ class TrainingGraphs:
     its decoder layers replayed from CUDA graphs (module docstring): forward and backward under autograd, the
     forward alone without it (an old-logprob pass)."""
 
-    def __init__(self, model: nn.Module, length_multiple: int = DEFAULT_LENGTH_MULTIPLE, num_warmup: int = 2) -> None:
+    def __init__(self, model: nn.Module, length_multiple: int = DEFAULT_LENGTH_MULTIPLE, num_warmup: int = 2,
+                 max_graphs: int = DEFAULT_MAX_GRAPHS) -> None:
         problem = unsupported_reason(model)
         if problem:
             raise ValueError(f"CUDA graphs for training: {problem}")
-        if not isinstance(length_multiple, int) or length_multiple < 1:
-            raise ValueError(f"length_multiple={length_multiple!r} must be an int >= 1")
+        for name, value in (("length_multiple", length_multiple), ("max_graphs", max_graphs)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
         self.model, self.decoder = model, model.model
-        self.length_multiple, self.num_warmup = length_multiple, num_warmup
-        self._graphs: dict[tuple[int, int, bool, str], _Graph] = {}
+        self.length_multiple, self.num_warmup, self.max_graphs = length_multiple, num_warmup, max_graphs
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()  # least recently used first
         self._pool = None
         self._reads: dict = {}  # every FP8 weight buffer the graphs read (recorded_weight_reads)
         self._grads: list[tuple[nn.Parameter, Tensor]] = []  # (parameter, the .grad tensor the graphs add into)
-        self._watched = [p for module in (self.decoder.layers, self.decoder.norm) for p in module.parameters()]
+        self._captured: tuple | None = None  # (ids, addresses) of the parameters and stacks at the last capture
         self._checked: tuple | None = None  # _weights_state() when the buffers were last brought up to date
-        self._addresses: tuple | None = None  # the parameters' addresses at the last capture
         self.generation = 0  # forward replays so far: a backward must belong to the latest
         # an input of every replay that requires grad, so the layers train even when x does not (a frozen embedding)
         self._anchor = torch.zeros((), device=next(model.parameters()).device, requires_grad=True)
@@ -98,7 +112,11 @@ class TrainingGraphs:
         x = self.decoder.embed_tokens(input_ids)
         self._prepare()
         train = torch.is_grad_enabled()
-        graph = self._graphs.get((rows, padded, train, current_phase())) or self._capture(x, train)
+        key = (rows, padded, train, current_phase(), exact_active(x.device))
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture(x, key)
+        self._graphs.move_to_end(key)
         if train:
             return _Replay.apply(x, self._anchor, graph, self)[:, :length]
         graph.x.copy_(x)
@@ -112,54 +130,70 @@ class TrainingGraphs:
 
     # ------------------------------------------------------------------ before a replay
     def _prepare(self) -> None:
-        """Bring every weight buffer the graphs read up to date, in place, and hand the graphs' gradient tensors
-        back to their parameters (module docstring); drop the graphs if a buffer or the trained set moved."""
+        """Bring every weight buffer the graphs read up to date, in place, if a weight or a cache changed since the
+        last look; drop the graphs if a buffer or parameter moved or the trained set changed (module docstring)."""
         if not self._graphs:
             return
-        state = self._weights_state()
-        if state != self._checked:  # a weight or a cache changed since the last check: bring every buffer up to date
-            with torch.no_grad():
-                moved = any(_moved(reread(), held) for _, reread, held in self._reads.values())
-            trained = _trained(self.decoder)
-            if moved or self._addresses != _addresses(self._watched) or (self._grads and (
-                    len(trained) != len(self._grads) or any(p is not q for p, (q, _) in zip(trained, self._grads)))):
-                self.reset()
-                return
-            self._checked = self._weights_state()  # after the rereads, which re-quantize what was stale
-        zero = []
-        for p, buf in self._grads:
-            if p.grad is buf:
-                continue
-            if p.grad is None:
-                zero.append(buf)
-            else:  # replaced by someone: keep what it holds
-                buf.copy_(p.grad)
-            p.grad = buf
+        params = _params(self.decoder)
+        if self._weights_state(params) == self._checked:
+            return
+        with torch.no_grad():
+            moved = any(_moved(reread(), held) for _, reread, held in self._reads.values())
+            now = _identity(params, refresh_stacked_projections(self.decoder))
+        if moved or now != self._captured or (self._grads and [id(p) for p, _ in self._grads] !=
+                                              [id(p) for p in params if p.requires_grad]):
+            self.reset()
+            return
+        self._checked = self._weights_state(params)  # after the rereads, which re-quantized what was stale
+
+    @staticmethod
+    def _weights_state(params: list[nn.Parameter]) -> tuple:
+        """The weight caches' epoch and every decoder parameter's identity, version and address: while it holds, no
+        buffer the graphs read can have gone stale, and the rereads (~10 µs each, a dozen per layer) are skipped."""
+        return cache_epoch(), tuple((id(p), p._version, p.data_ptr(), p.requires_grad) for p in params)
+
+    def _bind_grads(self) -> None:
+        """Just before a backward replay: hand each parameter the ``.grad`` tensor the graph adds into (module
+        docstring)."""
+        changed = [(p, buf) for p, buf in self._grads if p.grad is not buf]
+        for p, buf in changed:  # check them all before touching any
+            grad = p.grad
+            if grad is not None and (grad.shape != buf.shape or grad.dtype != buf.dtype or grad.device != buf.device):
+                raise ValueError(f"CUDA-graphed training: a parameter's .grad was replaced by a {grad.dtype} "
+                                 f"{tuple(grad.shape)} tensor on {grad.device}; the graph accumulates {buf.dtype} "
+                                 f"{tuple(buf.shape)} on {buf.device} (set it to None, or grpo.train_cuda_graphs='off')")
+        zero = [buf for p, buf in changed if p.grad is None]
         if zero:
             torch._foreach_zero_(zero)
-
-    def _weights_state(self) -> tuple:
-        """Every decoder parameter's version and address and the weight caches' epoch: while it holds, no buffer the
-        graphs read can have gone stale, and the rereads (~10 µs each, a dozen per layer) are skipped."""
-        return cache_epoch(), tuple((p._version, p.data_ptr(), p.requires_grad) for p in self._watched)
+        for p, buf in changed:
+            if p.grad is not None:
+                buf.copy_(p.grad)
+            p.grad = buf
 
     def reset(self) -> None:
         """Drop every graph (the next call captures again); the parameters keep their gradients."""
         if self._graphs:
             torch.cuda.synchronize()  # no replay may still be in flight when its graph is freed
         self._graphs.clear()
-        self._reads, self._grads, self._pool, self._checked = {}, [], None, None
+        self._reads, self._grads, self._pool, self._captured, self._checked = {}, [], None, None, None
 
     # ------------------------------------------------------------------ capture
-    def _capture(self, x: Tensor, train: bool) -> _Graph:
-        """Capture the layers' forward (and, with ``train``, their backward) at ``x``'s shape."""
+    def _capture(self, x: Tensor, key: tuple) -> _Graph:
+        """Capture the layers' forward (and, under autograd, their backward) at ``x``'s shape."""
         rows, length, _ = x.shape
-        params = _trained(self.decoder)
+        train = torch.is_grad_enabled()
+        if len(self._graphs) >= self.max_graphs:  # the least recently used shape makes room
+            torch.cuda.synchronize()
+            self._graphs.popitem(last=False)
+        params = _params(self.decoder)
+        trained = [p for p in params if p.requires_grad]
         if train and not self._grads:
-            for p in params:
+            for p in trained:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            self._grads = [(p, p.grad) for p in params]
+            self._grads = [(p, p.grad) for p in trained]
+        if train:
+            self._bind_grads()  # the backward is captured adding into these
         static_x = x.detach().clone().requires_grad_(train)
         positions = torch.arange(length, device=x.device).expand(rows, length)
         cos, sin = self.decoder.rotary_emb(positions, x.dtype)
@@ -168,14 +202,14 @@ class TrainingGraphs:
         def body() -> Tensor:
             return self.decoder.run_layers(static_x, cos, sin)
 
-        # warm up on a side stream (Triton compilation and autotuning, cuBLAS handles, every lazy cache filled,
-        # W^T included), as CUDA graph capture requires; autograd.grad leaves every .grad untouched
+        # warm up on a side stream (Triton compilation and autotuning, cuBLAS handles, the lazy caches: W^T, the
+        # stacks), as CUDA graph capture requires; every gradient is computed and none accumulated (autograd.grad)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(self.num_warmup):  # no warm-up graph may stay alive into the capture (its autograd
                 if train:                     # nodes would carry the side stream into it)
-                    torch.autograd.grad(body(), [static_x], grad_out)
+                    torch.autograd.grad(body(), [static_x, *trained], grad_out, allow_unused=True)
                 else:
                     body()
         torch.cuda.current_stream().wait_stream(side)
@@ -188,14 +222,15 @@ class TrainingGraphs:
                 out = body()
             if train:
                 with capturing(bwd, self._pool):
-                    torch.autograd.backward(out, grad_out, inputs=[static_x, *params])
+                    torch.autograd.backward(out, grad_out, inputs=[static_x, *trained])
         clear_shared_input()  # hold nothing the capture quantized
         self._reads.update(reads)
-        self._addresses = _addresses(self._watched)  # the graphs read the BF16 parameters where they are now
+        with torch.no_grad():  # what the graphs read the BF16 parameters and stacks from
+            self._captured = _identity(params, refresh_stacked_projections(self.decoder))
         self._checked = None  # check on the next call (a capture's reads may have filled a lazy cache)
         graph = _Graph(fwd, bwd, static_x, out.detach(), grad_out, static_x.grad, keep=(cos, sin))
         static_x.grad = None  # the graph keeps writing into it; nothing may accumulate there
-        self._graphs[(rows, length, train, current_phase())] = graph
+        self._graphs[key] = graph
         self.num_captures += 1
         return graph
 
@@ -227,6 +262,7 @@ class _Replay(torch.autograd.Function):
             raise RuntimeError("CUDA-graphed training: this backward belongs to a forward whose activations a later "
                                "forward has overwritten; run each micro-batch's backward before the next forward "
                                "(or set grpo.train_cuda_graphs='off')")
+        ctx.owner._bind_grads()
         ctx.graph.grad_out.copy_(grad)
         ctx.graph.bwd.replay()
         return (ctx.graph.grad_x if ctx.needs_input_grad[0] else None), None, None, None
@@ -236,13 +272,14 @@ def _moved(now, held) -> bool:
     return now.codes.data_ptr() != held.codes.data_ptr() or now.scales.data_ptr() != held.scales.data_ptr()
 
 
-def _addresses(params: list[nn.Parameter]) -> tuple:
-    return tuple(p.data_ptr() for p in params)
+def _identity(params: list[nn.Parameter], stacks: list[Tensor]) -> tuple:
+    """Which parameter objects and stacked copies the graphs read, and where."""
+    return tuple((id(p), p.data_ptr()) for p in params), tuple(t.data_ptr() for t in stacks)
 
 
-def _trained(decoder: nn.Module) -> list[nn.Parameter]:
-    """The graphed part's parameters that train: every decoder layer's and the final norm's."""
-    return [p for module in (decoder.layers, decoder.norm) for p in module.parameters() if p.requires_grad]
+def _params(decoder: nn.Module) -> list[nn.Parameter]:
+    """The graphed part's parameters: every decoder layer's and the final norm's."""
+    return [p for module in (decoder.layers, decoder.norm) for p in module.parameters()]
 
 
 def auto_enabled(model: nn.Module) -> bool:
