@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from jetrl.engine.cuda_graph import capturing
+from jetrl.engine.cuda_graph import capturing, warm_up
 
 HBM_BYTES_PER_S = 4.3e12  # H200 copy ceiling, bytes/s (read + written), design.md §3
 
@@ -83,12 +83,7 @@ def graph_time_us(fn: Callable[[], object], device: torch.device, *, calls: int,
     warmup = max(warmup, calls)  # a rotating ``fn`` (bench c) meets every weight copy before capture
     if device.type != "cuda":
         return time_ms(lambda: [fn() for _ in range(calls)], device, iters=replays, warmup=min(warmup, 1)) * 1e3 / calls
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(side)
+    warm_up(fn, warmup, device)
     graph = torch.cuda.CUDAGraph()
     with capturing(graph):  # the cycle collector paused (jetrl/engine/cuda_graph.py)
         for _ in range(calls):

@@ -55,6 +55,18 @@ def capturing(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
             gc.enable()
 
 
+def warm_up(fn: Callable[[], object], times: int, device: torch.device | None = None) -> None:
+    """Run ``fn`` ``times`` times on a side stream, ordered after and before the current stream's work: what CUDA
+    graph capture asks for first (lazy initialization, cuBLAS workspaces, Triton compilation, the allocator)."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for _ in range(times):
+            fn()
+    current.wait_stream(side)
+
+
 def default_buckets(max_rows: int) -> list[int]:
     small = [b for b in (1, 2, 4, 8) if b < max_rows]
     return sorted({*small, *range(16, max_rows, 16), max_rows})
@@ -89,16 +101,10 @@ class DecodeGraphs:
         return logits
 
     def _capture(self, b: int) -> None:
-        # Warm up on a side stream (lazy init, cuBLAS workspaces, allocator) as the CUDA graph
-        # docs require, then capture into the shared pool. The warmup runs really execute: they
+        # Warm up, then capture into the shared pool. The warmup runs really execute: they
         # rewrite each row's pending-token K/V at position lengths[s], which is exactly what the
         # next real step writes there, so the cache stays correct.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(self.num_warmup):
-                self.step(b)
-        torch.cuda.current_stream().wait_stream(side)
+        warm_up(lambda: self.step(b), self.num_warmup)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()

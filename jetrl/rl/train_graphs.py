@@ -60,7 +60,7 @@ from collections import OrderedDict
 import torch
 from torch import Tensor, nn
 
-from jetrl.engine.cuda_graph import capturing
+from jetrl.engine.cuda_graph import capturing, warm_up
 from jetrl.exact import exact_active
 from jetrl.fp8.linear import clear_shared_input
 from jetrl.fp8.recipe import current_phase
@@ -119,11 +119,12 @@ class TrainingGraphs:
         self._graphs.move_to_end(key)
         if train:
             return _Replay.apply(x, self._anchor, graph, self)[:, :length]
-        graph.x.copy_(x)
-        self._replay_forward(graph)
+        self._replay_forward(graph, x)
         return graph.out[:, :length]
 
-    def _replay_forward(self, graph: _Graph) -> None:
+    def _replay_forward(self, graph: _Graph, x: Tensor) -> None:
+        with torch.no_grad():
+            graph.x.copy_(x)
         graph.fwd.replay()
         self.generation += 1
         self.num_replays += 1
@@ -202,17 +203,13 @@ class TrainingGraphs:
         def body() -> Tensor:
             return self.decoder.run_layers(static_x, cos, sin)
 
-        # warm up on a side stream (Triton compilation and autotuning, cuBLAS handles, the lazy caches: W^T, the
-        # stacks), as CUDA graph capture requires; every gradient is computed and none accumulated (autograd.grad)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(self.num_warmup):  # no warm-up graph may stay alive into the capture (its autograd
-                if train:                     # nodes would carry the side stream into it)
-                    torch.autograd.grad(body(), [static_x, *trained], grad_out, allow_unused=True)
-                else:
-                    body()
-        torch.cuda.current_stream().wait_stream(side)
+        def warm() -> None:  # every gradient computed, none accumulated; no autograd graph outlives it (its nodes
+            if train:        # would carry the side stream into the capture)
+                torch.autograd.grad(body(), [static_x, *trained], grad_out, allow_unused=True)
+            else:
+                body()
+
+        warm_up(warm, self.num_warmup)  # also fills the lazy caches the graphs read: W^T, the stacks
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         fwd, bwd = torch.cuda.CUDAGraph(), (torch.cuda.CUDAGraph() if train else None)
@@ -249,9 +246,7 @@ class _Graph:
 class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, anchor: Tensor, graph: _Graph, owner: TrainingGraphs) -> Tensor:
-        with torch.no_grad():
-            graph.x.copy_(x)
-        owner._replay_forward(graph)
+        owner._replay_forward(graph, x)
         ctx.graph, ctx.owner, ctx.generation = graph, owner, owner.generation
         return graph.out.detach()
 
