@@ -20,15 +20,9 @@ from dataclasses import replace
 
 import torch
 
-from jetrl.bench.shapes import QWEN3_1_7B, h200_config
+from jetrl.bench.shapes import QWEN3_SHAPES, h200_config
 from jetrl.bench.training import training_phase
 from jetrl.fp8.projection_group import ProjectionGroup
-
-SHAPES = {  # Qwen3 configs: hidden, intermediate, heads, kv heads, layers (head_dim 128, vocabulary 151936)
-    "0.6b": {"hidden": 1024, "intermediate": 3072, "heads": 16, "kv_heads": 8, "train_layers": 28},
-    "1.7b": QWEN3_1_7B,  # also bench (f)'s second row
-    "4b": {"hidden": 2560, "intermediate": 9728, "heads": 32, "kv_heads": 8, "train_layers": 36},
-}
 
 
 def main() -> None:
@@ -42,7 +36,7 @@ def main() -> None:
     for size in os.environ.get("SIZES", "1.7b,4b").split(","):
         for arm, (context, graphs) in arms.items():
             # the size alone, not bench (f)'s second row
-            cfg = replace(h200_config(), small_train=None, train_cuda_graphs=graphs, **SHAPES[size])
+            cfg = replace(h200_config(), small_train=None, train_cuda_graphs=graphs, **QWEN3_SHAPES[size])
             with context():
                 rows = training_phase(cfg, device)
             results[f"{size} {arm}"] = rows

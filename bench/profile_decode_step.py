@@ -1,20 +1,24 @@
-"""Profile of one engine decode step (CUDA-graph replay, 4 layers of an 8B-shaped Qwen3 + lm_head,
-B = ``BATCH`` rows (default 256; section (g)'s rollout runs 64), mean context ``CONTEXT`` (default 640)) under
-`bf16`, `jet` and `jet_kv`: kernels per step and GPU time per kernel. The evidence behind docs/benchmarks.md
-section (d). GPU only.
+"""Profile of one engine decode step (CUDA-graph replay, 4 layers of an 8B-shaped Qwen3 + lm_head, or every layer
+of a smaller Qwen3's shapes with ``SIZE=0.6b`` / ``1.7b`` / ``4b``; B = ``BATCH`` rows (default 256; section (g)'s
+rollout runs 64), mean context ``CONTEXT`` (default 640)) under `bf16`, `jet` and `jet_kv`: kernels per step, GPU
+time per kernel, the GPU's busy time against the replay's wall time. The evidence behind docs/benchmarks.md section
+(d). GPU only.
 
     PYTHONPATH=. python3 bench/profile_decode_step.py
+    SIZE=0.6b BATCH=64 PYTHONPATH=. python3 bench/profile_decode_step.py
 """
 
 import collections
 import os
+import time
+from dataclasses import replace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from jetrl.bench.models import random_model, set_recipe
 from jetrl.bench.rollout import fill_cache, spread_lengths
-from jetrl.bench.shapes import h200_config
+from jetrl.bench.shapes import QWEN3_SHAPES, h200_config
 from jetrl.engine import Engine
 from jetrl.fp8 import precision_phase
 
@@ -22,8 +26,10 @@ from jetrl.fp8 import precision_phase
 def main() -> None:
     DEV = torch.device("cuda")
     B = int(os.environ.get("BATCH", "256"))
-    cfg = h200_config(layers=4)
-    model = random_model(cfg.model_config(4), DEV, torch.bfloat16)
+    size = os.environ.get("SIZE")
+    cfg = replace(h200_config(), **QWEN3_SHAPES[size]) if size else h200_config()
+    layers = cfg.train_layers if size else 4
+    model = random_model(cfg.model_config(layers), DEV, torch.bfloat16)
     for recipe in ("bf16", "jet", "jet_kv"):
         set_recipe(model, recipe)
         lengths = spread_lengths(B, int(os.environ.get("CONTEXT", "640")))
@@ -44,11 +50,9 @@ def main() -> None:
             t[1] += e.device_time
         n = len(ev) / 5
         gpu = sum(v[1] for v in tot.values()) / 5
-        print(f"== {recipe}: {n:.0f} kernels per step (4 layers + lm_head), GPU busy {gpu:.0f} us per step")
+        print(f"== {recipe}: {n:.0f} kernels per step ({layers} layers + lm_head), GPU busy {gpu:.0f} us per step")
         for name, (c, us) in sorted(tot.items(), key=lambda kv: -kv[1][1])[:22]:
             print(f"{us / 5:9.1f} us {c / 5:5.0f}x  {name}")
-        import time
-
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(20):

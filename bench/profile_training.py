@@ -1,20 +1,24 @@
 """Profile of the training phase's update (fwd + bwd + AdamW over 2 micro-batches of 8 x 1152 tokens) on
-the 8B-shaped model of ``jetrl bench`` section (f) (``LAYERS`` of its 36, default all), under `bf16` and `jet`
-(``RECIPES``): GPU time per kernel and per kind of kernel, the GPU's idle time in the update's span, and the
-allocator's retries. The evidence behind docs/benchmarks.md section (f). GPU only.
+the 8B-shaped model of ``jetrl bench`` section (f) (``LAYERS`` of its 36, default all) or a smaller Qwen3's shapes
+(``SIZE=0.6b``, ``1.7b`` or ``4b``), under `bf16` and `jet` (``RECIPES``), eager or with the decoder layers replayed
+from CUDA graphs (``GRAPHS=on``): GPU time per kernel and per kind of kernel, the GPU's idle time in the update's
+span, the allocator's retries, and the optimizer step's own span (AdamW and, for FP8, the weight re-quantization).
+The evidence behind docs/benchmarks.md section (f). GPU only.
 
     PYTHONPATH=. python3 bench/profile_training.py
+    SIZE=0.6b GRAPHS=on PYTHONPATH=. python3 bench/profile_training.py
 """
 
 import collections
 import os
 import re
+from dataclasses import replace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from jetrl.bench.models import free_device_memory, random_model
-from jetrl.bench.shapes import h200_config, smoke_config
+from jetrl.bench.shapes import QWEN3_SHAPES, h200_config, smoke_config
 from jetrl.bench.synthetic import random_batch, random_records
 from jetrl.bench.training import _trainer
 
@@ -39,9 +43,24 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def _idle_gaps(events: list) -> list[tuple[float, str, str]]:
+    """The GPU's idle stretches over 20 us between consecutive kernels, longest first: (us, kernel before, after)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
+    gaps, end, name = [], spans[0][1], spans[0][2]
+    for start, stop, nxt in spans[1:]:
+        if start - end > 20:
+            gaps.append((start - end, name, nxt))
+        if stop > end:
+            end, name = stop, nxt
+    return sorted(gaps, reverse=True)
+
+
 def main() -> None:
     smoke = not torch.cuda.is_available()  # CPU: the smoke shapes, CPU events (checks the script runs)
     cfg = smoke_config() if smoke else h200_config(train_layers=int(os.environ.get("LAYERS", "36")))
+    if not smoke and os.environ.get("SIZE"):
+        cfg = replace(cfg, **QWEN3_SHAPES[os.environ["SIZE"]])
+    cfg = replace(cfg, train_cuda_graphs=os.environ.get("GRAPHS", "off"))
     dev = torch.device("cpu" if smoke else "cuda")
     kind = torch.autograd.DeviceType.CPU if smoke else torch.autograd.DeviceType.CUDA
     model = random_model(cfg.model_config(cfg.train_layers), dev, torch.bfloat16)
@@ -77,6 +96,13 @@ def main() -> None:
             print(f"   {ms:8.1f} ms {c:6d}x  {kind}")
         for name, (c, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]:
             print(f"      {ms:8.2f} ms {c:5d}x  {name}")
+        gaps = _idle_gaps(ev)
+        print(f"   idle gaps over 20 us: {len(gaps)}, {sum(g for g, *_ in gaps) / 1e3:.1f} ms; the longest, after -> before:")
+        for gap, before, after in gaps[:12]:
+            print(f"      {gap / 1e3:8.2f} ms  {before[:60]} -> {after[:60]}")
+        host = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:15]
+        print("   by host time (self CPU, ms):", ", ".join(f"{a.key} {a.self_cpu_time_total / 1e3:.1f} ({a.count}x)"
+                                                         for a in host))
         ops = [a for a in prof.key_averages() if a.key.startswith("aten::") or a.key.startswith("autograd")]
         print("   by operator (GPU time of its kernels, self):")
         for a in sorted(ops, key=lambda a: -a.self_device_time_total)[:25]:

@@ -3,8 +3,9 @@
 On the GPU: a replayed micro-batch gives hidden states and gradients bit-identical to the eager model at the same
 (padded) shape -- across micro-batches of two shapes, gradient accumulation, optimizer steps with the FP8 weight
 caches re-quantized in between, and ``zero_grad(set_to_none=True)`` -- under ``bf16``, ``jet`` and ``jet_kv``;
-a backward whose activations a later forward overwrote raises; the forward-only graph of a no-grad pass. On the CPU: the configuration's checks, and
-that ``auto`` stays eager where graphs cannot run.
+a backward whose activations a later forward overwrote raises; the forward-only graph of a no-grad pass; in exact
+mode the rollout's logprobs equal the graphed trainer's. On the CPU: the configuration's checks, and that ``auto``
+stays eager where graphs cannot run.
 """
 
 import copy
@@ -61,18 +62,6 @@ def test_trainer_auto_stays_eager_on_cpu_and_on_refuses():
     assert trainer("auto").train_graphs is None
     with pytest.raises(ValueError, match="train_cuda_graphs='on' cannot apply"):
         trainer("on")
-    # which hidden_states the trainer uses: 'auto' stays eager in exact mode, 'on' does not
-    from types import SimpleNamespace
-
-    from jetrl.exact import use_exact
-
-    t = trainer("off")
-    t.train_graphs = SimpleNamespace(hidden_states=len)
-    for choice, in_exact in (("auto", None), ("on", len)):
-        t.args.train_cuda_graphs = choice
-        assert t.graphed_hidden_states() is len
-        with use_exact():
-            assert t.graphed_hidden_states() is in_exact
 
 
 def test_recorded_weight_reads_and_the_cache_epoch():
@@ -255,3 +244,27 @@ def test_trainer_with_graphs_equals_the_eager_trainer(recipe):
     update = sum(float((w_one[n].float() - w.float()).norm()) for n, w in start.items())
     apart = sum(float((w_padded[n].float() - w_one[n].float()).norm()) for n in start)
     assert 0 < update and apart < 0.5 * update, (apart, update)
+
+
+@cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="exact mode's kernels need SM90+")
+def test_exact_mode_keeps_zero_mismatch_with_graphs():
+    """Exact mode (jetrl/exact.py) with the graphs ``auto`` turns on: the trainer's old-logprob pass, replayed from
+    a graph at a padded shape, equals the rollout's logprobs at every token of every step, under ``jet_kv``."""
+    from jetrl.bench.synthetic import IdTokenizer, parity_reward, random_records
+    from jetrl.exact import use_exact
+    from jetrl.rl import GRPOTrainer
+
+    torch.manual_seed(0)
+    args = GRPOConfig(max_steps=2, num_generations=2, generation_batch_size=8, per_device_train_batch_size=2,
+                      gradient_accumulation_steps=2, max_prompt_length=6, max_completion_length=12,
+                      old_logprobs="recompute", learning_rate=1e-3)
+    with use_exact():
+        trainer = GRPOTrainer(CausalLM(CFG).to("cuda", torch.bfloat16), [parity_reward], args,
+                              random_records(4, 6, CFG.vocab_size, seed=3), tokenizer=IdTokenizer(), recipe="jet_kv",
+                              accuracy_func=None)
+        history = trainer.train()
+    assert trainer.train_graphs is not None and trainer.train_graphs.num_replays > 0
+    for m in history:
+        assert m["training/rollout_probs_diff_max"] == 0.0 and m["rollout_corr/kl"] == 0.0, m

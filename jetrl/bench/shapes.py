@@ -131,6 +131,12 @@ def h200_config(*, layers: int = 36, train_layers: int = 36, micro_batch: int = 
 
 # Qwen3-1.7B's layer shapes (head_dim 128 as the 8B's; the bench keeps the 8B's vocabulary and an untied lm_head)
 QWEN3_1_7B = {"hidden": 2048, "intermediate": 6144, "heads": 16, "kv_heads": 8, "train_layers": 28}
+# the layer shapes of the Qwen3 sizes the probes take (BenchConfig fields; same head_dim, vocabulary, lm_head)
+QWEN3_SHAPES = {
+    "0.6b": {"hidden": 1024, "intermediate": 3072, "heads": 16, "kv_heads": 8, "train_layers": 28},
+    "1.7b": QWEN3_1_7B,
+    "4b": {"hidden": 2560, "intermediate": 9728, "heads": 32, "kv_heads": 8, "train_layers": 36},
+}
 
 
 def smoke_config(*, layers: int = 2, train_layers: int = 2, micro_batch: int = 2,

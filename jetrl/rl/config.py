@@ -65,8 +65,7 @@ class GRPOConfig:
     train_cuda_graphs: str | bool = _f("auto", "replay the decoder layers' training forward+backward from CUDA graphs, "
                                        "one per micro-batch shape: 'on' (or true), 'off' (or false), or 'auto' (on "
                                        "for models of up to 3.5B parameters on CUDA, where eager training is "
-                                       "host-bound, except in exact mode; jetrl/rl/train_graphs.py says what it "
-                                       "costs)")
+                                       "host-bound; jetrl/rl/train_graphs.py says what it costs)")
     train_graph_length_multiple: int = _f(128, "with train_cuda_graphs, micro-batch lengths are padded up to a "
                                           "multiple of this (fewer shapes to capture against more padding)")
 

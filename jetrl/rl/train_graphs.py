@@ -47,10 +47,10 @@ training, input and output for a forward-only graph (at Qwen3-1.7B's width, 8 ro
 training shape). At most ``max_graphs`` shapes are kept; the least recently used one is dropped beyond that.
 
 Numerics: a replay runs exactly the kernels an eager call at the padded shape runs, so results are
-bit-identical to the eager model at that shape (tests/test_train_graphs.py). (The trainer's ``auto`` still runs
-eagerly in exact mode, jetrl/exact.py: its zero rollout-vs-trainer mismatch with the graphs has not been measured on
-a GPU yet.) Against the eager model at the unpadded length, the FP8 wgrad's 1x128 groups along tokens take in the
-padding rows' activations, as they already take in the padding of a micro-batch's shorter sequences.
+bit-identical to the eager model at that shape (tests/test_train_graphs.py). That holds for exact mode's
+batch-invariant kernels too (jetrl/exact.py): the rollout's logprobs still equal the graphed trainer's at every
+token (a GPU test). Against the eager model at the unpadded length, the FP8 wgrad's 1x128 groups along tokens take
+in the padding rows' activations, as they already take in the padding of a micro-batch's shorter sequences.
 """
 
 from __future__ import annotations

@@ -30,7 +30,6 @@ from torch import nn
 
 from jetrl.data import encode_prompts
 from jetrl.engine import Engine
-from jetrl.exact import exact_requested
 from jetrl.fp8 import (
     Recipe,
     check_model_precision,
@@ -113,12 +112,8 @@ class GRPOTrainer:
         return TrainingGraphs(self.model, self.args.train_graph_length_multiple)
 
     def graphed_hidden_states(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """The CUDA graphs' ``hidden_states``, or None (eager). ``auto`` stays eager in exact mode: the graphs replay
-        the eager kernels bit for bit, but exact mode's end-to-end zero mismatch has not been measured on a GPU with
-        them yet (``'on'`` takes them there too)."""
-        if self.train_graphs is None or (self.args.train_cuda_graphs == "auto" and exact_requested()):
-            return None
-        return self.train_graphs.hidden_states
+        """The CUDA graphs' ``hidden_states``, or None (eager)."""
+        return None if self.train_graphs is None else self.train_graphs.hidden_states
 
     # ------------------------------------------------------------------ data
     def prompt_indices(self, step: int) -> list[int]:
