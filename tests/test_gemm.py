@@ -85,6 +85,10 @@ def test_per_shape_choice_is_a_fixed_rule(monkeypatch):
     # at M <= 64 narrow layers (o, down) take 32-wide tiles: 128 CTAs stream the weight instead of 64
     assert [gluon_tiles(64, *s).block_n for s in (qkv, o, gate_up, down)] == [64, 32, 64, 32]
     assert choose_backend(64, (128, 128), 24576, 12288) == "triton"  # wide and long: Triton's split-K
+    # a small weight (Qwen3-0.6B's layers, 1.7B's o) takes Gluon at every M up to 64: its fixed cost is lower
+    small = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (2048, 2048)]
+    assert {choose_backend(m, (128, 128), n, k) for m in (1, 16, 32, 64) for n, k in small} == {"gluon"}
+    assert choose_backend(1, (128, 128), 4096, 2048) == "triton"  # 1.7B's qkv: 8M elements, Triton at M = 1
     monkeypatch.setattr(gemm, "has_gluon", lambda: False)
     assert choose_backend(256, (128, 128), *o) == "scaled_mm" and choose_backend(64, (128, 128), *o) == "triton"
 
