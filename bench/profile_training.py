@@ -2,7 +2,7 @@
 the 8B-shaped model of ``jetrl bench`` section (f) (``LAYERS`` of its 36, default all) or a smaller Qwen3's shapes
 (``SIZE=0.6b``, ``1.7b`` or ``4b``), under `bf16` and `jet` (``RECIPES``), eager or with the decoder layers replayed
 from CUDA graphs (``GRAPHS=on``): GPU time per kernel and per kind of kernel, the GPU's idle time in the update's
-span, the allocator's retries, and the optimizer step's own span (AdamW and, for FP8, the weight re-quantization).
+span and its longest gaps (the kernels on either side), the host's time by operator, and the allocator's retries.
 The evidence behind docs/benchmarks.md section (f). GPU only.
 
     PYTHONPATH=. python3 bench/profile_training.py

@@ -18,6 +18,8 @@ from jetrl.models import CausalLM, ModelConfig
 from jetrl.rl import GRPOConfig
 from jetrl.rl.train_graphs import TrainingGraphs, unsupported_reason
 
+from .conftest import requires_sm90
+
 CFG = ModelConfig(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, qk_norm=True, architecture="Qwen3ForCausalLM")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -246,9 +248,7 @@ def test_trainer_with_graphs_equals_the_eager_trainer(recipe):
     assert 0 < update and apart < 0.5 * update, (apart, update)
 
 
-@cuda
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="exact mode's kernels need SM90+")
+@requires_sm90  # exact mode's kernels
 def test_exact_mode_keeps_zero_mismatch_with_graphs():
     """Exact mode (jetrl/exact.py) with the graphs ``auto`` turns on: the trainer's old-logprob pass, replayed from
     a graph at a padded shape, equals the rollout's logprobs at every token of every step, under ``jet_kv``."""
