@@ -2,7 +2,7 @@
 pick the fastest kernel there too?
 
 Runs section (c)'s own ``decode_gemms`` (every FP8 backend and BF16 timed under CUDA-graph replay, weights rotated
-past the L2, each checked against the emulation) on the layer shapes of ``SIZES`` (Qwen3 0.6B / 1.7B / 4B) at
+past the L2, each checked against the emulation) on the layer shapes of ``SIZES`` (Qwen3 0.6B / 1.7B / 4B / 8B) at
 ``ROWS`` (default 1, 16, 64, 128, 256), and prints per GEMM the rule's pick, its time and the fastest backend's.
 
     SIZES=0.6b,1.7b PYTHONPATH=. OUT=$OUT python3 bench/probe_small_gemms.py

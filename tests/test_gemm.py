@@ -75,7 +75,7 @@ def test_per_shape_choice_is_a_fixed_rule(monkeypatch):
     # with the shape: the 8B layer's GEMMs (N, K) = qkv, o, gate_up, down, as bench/sweep_gemm_gluon.py chose
     monkeypatch.setattr(gemm, "has_gluon", lambda: True)
     qkv, o, gate_up, down = (6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)
-    expect = {16: ("triton",) * 4, 32: ("triton",) * 4, 64: ("gluon",) * 4,
+    expect = {16: ("triton",) * 4, 32: ("gluon", "gluon", "gluon", "triton"), 64: ("gluon",) * 4,
               128: ("gluon", "gluon", "scaled_mm", "gluon"), 256: ("scaled_mm", "gluon", "scaled_mm", "gluon"),
               8192: ("scaled_mm",) * 4}
     for m, picks in expect.items():
@@ -89,6 +89,7 @@ def test_per_shape_choice_is_a_fixed_rule(monkeypatch):
     small = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (2048, 2048)]
     assert {choose_backend(m, (128, 128), n, k) for m in (1, 16, 32, 64) for n, k in small} == {"gluon"}
     assert choose_backend(1, (128, 128), 4096, 2048) == "triton"  # 1.7B's qkv: 8M elements, Triton at M = 1
+    assert choose_backend(32, (128, 128), 2560, 9728) == "triton"  # 4B's down: a long K keeps Triton at M = 32
     monkeypatch.setattr(gemm, "has_gluon", lambda: False)
     assert choose_backend(256, (128, 128), *o) == "scaled_mm" and choose_backend(64, (128, 128), *o) == "triton"
 

@@ -136,6 +136,7 @@ QWEN3_SHAPES = {
     "0.6b": {"hidden": 1024, "intermediate": 3072, "heads": 16, "kv_heads": 8, "train_layers": 28},
     "1.7b": QWEN3_1_7B,
     "4b": {"hidden": 2560, "intermediate": 9728, "heads": 32, "kv_heads": 8, "train_layers": 36},
+    "8b": {"hidden": 4096, "intermediate": 12288, "heads": 32, "kv_heads": 8, "train_layers": 36},  # h200_config's
 }
 
 

@@ -63,8 +63,9 @@ from jetrl.overrides import ScopedOverride, env_choice
 BACKENDS = ("emulated", "scaled_mm", "triton", "gluon")
 SMALL_M_MAX = 64  # rows up to which the Triton small-M kernel beats cuBLAS block FP8 (bench section c)
 ONE_WAVE_CTAS = 132  # the H200's SM count: the Gluon kernel is chosen where its tiles fill one wave
-GLUON_MIN_M = 32  # up to this many rows the Triton kernel's 16/32-row tiles win (bench (c), run O) ...
+GLUON_MIN_M = 16  # up to this many rows the Triton kernel's 16-row tiles win (bench (c); run FE) ...
 SMALL_WEIGHT = 6 * 2**20  # ... except on a weight of at most this many elements (choose_backend)
+TRITON_MAX_M = 32  # up to this many rows a long K keeps Triton's split-K (choose_backend; run FE)
 NARROW_BLOCK_N = 32  # the Gluon kernel's tile width for narrow layers at M <= 64 (gluon_tiles)
 LONG_K = 8192  # K from which split-K (Triton, M <= 64) or 128 x 64 tiles (Gluon) win (bench/sweep_gemm_gluon.py)
 _override = ScopedOverride("FP8 GEMM backend", BACKENDS)
@@ -148,11 +149,13 @@ def choose_backend(m: int, b_block: tuple[int, int] = (BLOCK, BLOCK), n: int | N
 
     From ``jetrl bench`` (c) and ``bench/sweep_gemm_gluon.py`` on an H200 (docs/benchmarks.md):
 
-    * M <= 32: the Triton small-M kernel (16- and 32-row tiles; Gluon's 64-row wgmma tile is 10-40%
-      slower at M = 1 and 16 on the 8B's layers), except a small weight (at most ``SMALL_WEIGHT``
-      elements: the layers of Qwen3-0.6B, o of 1.7B), which takes the Gluon kernel: there the call is its
-      fixed cost, and Gluon's is lower (0.6B at M = 1: 3.7-4.8 µs against Triton's 5.0-6.6; run FB,
+    * M <= 16: the Triton small-M kernel (16-row tiles; Gluon's 64-row wgmma tile is 10-60% slower at
+      M = 1 and 16 on the 8B's layers), except a small weight (at most ``SMALL_WEIGHT`` elements: the
+      layers of Qwen3-0.6B, o of 1.7B), which takes the Gluon kernel: there the call is its fixed cost,
+      and Gluon's is lower (0.6B at M = 1: 3.7-4.8 µs against Triton's 5.0-6.6; runs FB, FD,
       bench/probe_small_gemms.py);
+    * M <= 32: the Gluon kernel unless K is long (8B at M = 32: qkv 11.1 against Triton's 13.8 µs, o 10.2
+      against 11.1, gate_up even; down, K = 12288, and 4B's down, K = 9728, keep Triton; run FE);
     * M <= 64: the Gluon kernel (persistent; 64 x 32 tiles for a narrow layer, o and down, so that it
       runs 128 CTAs instead of 64; 64 x 64 otherwise), except a wide layer with a long K, which keeps
       Triton's split-K;
@@ -167,6 +170,8 @@ def choose_backend(m: int, b_block: tuple[int, int] = (BLOCK, BLOCK), n: int | N
     if n is not None and k is not None and k % K_MULTIPLE == 0 and has_gluon():
         if m <= GLUON_MIN_M:
             return "gluon" if n * k <= SMALL_WEIGHT else "triton"
+        if m <= TRITON_MAX_M:
+            return "gluon" if k < LONG_K else "triton"
         if m <= SMALL_M_MAX:
             return "gluon" if k < LONG_K or gluon_tiles(m, n, k).block_n == NARROW_BLOCK_N else "triton"
         tiles = gluon_tiles(m, n, k)
