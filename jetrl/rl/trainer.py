@@ -149,7 +149,7 @@ class GRPOTrainer:
         args, step = self.args, self.step
         t0 = self._clock()
         idx = self.prompt_indices(step)
-        graphs = self.graphed_hidden_states() is not None  # what the out-of-memory advice may name
+        graphs = self.train_graphs is not None  # what the out-of-memory advice may name
         with oom_advice("rollout", args, step, self.model, graphs):
             batch, metrics, _ = rollout(self.engine, [self.prompt_ids[i] for i in idx],
                                         [self.records[i] for i in idx], self.reward_funcs, args,

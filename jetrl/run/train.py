@@ -76,7 +76,7 @@ def _run_training(cfg: RunConfig, resume: bool) -> dict[str, Any]:
     print(cfg.to_yaml().rstrip())
     print(f"precision flow: {json.dumps(trainer.recipe.metadata())}; exact mode: {exact_requested()}; "
           f"old logprobs: {trainer.old_logprobs_source}; training CUDA graphs: "
-          f"{'on' if trainer.graphed_hidden_states() is not None else 'off'}")
+          f"{'on' if trainer.train_graphs is not None else 'off'}")
 
     def held_out() -> float:
         return evaluate(trainer.engine, eval_ids, eval_records, max_tokens=cfg.grpo.max_completion_length,
