@@ -7,9 +7,12 @@ update of 16 x 1152 tokens, ``jet`` against ``bf16`` in one process) at Qwen3-1.
 models' layer shapes; untied lm_head). Each size runs twice: as shipped, sibling projections training as one
 stacked Function (projection_group.py), with them forced separate (``SEPARATE=0`` skips that arm; code without
 the stacked Function runs the first arm only, its own), and with both recipes' decoder layers replayed from CUDA
-graphs (jetrl/rl/train_graphs.py; ``GRAPHS=0`` skips that arm). The first two arms run eagerly.
+graphs (jetrl/rl/train_graphs.py; ``GRAPHS=0`` skips that arm). The first two arms run eagerly. ``EAGER_REFRESH=1``
+adds a last arm: the graphs with the FP8 weight refresh after each optimizer step run eagerly instead of from its
+own graph (jetrl/fp8/refresh_graph.py). ``ARMS`` (comma-separated names) keeps only those arms.
 
     PYTHONPATH=. OUT=$OUT python3 bench/probe_model_sizes.py          # SIZES=1.7b,4b by default
+    SIZES=0.6b,1.7b ARMS=graphs,eager_refresh EAGER_REFRESH=1 PYTHONPATH=. OUT=$OUT python3 bench/probe_model_sizes.py
 """
 
 import contextlib
@@ -33,6 +36,13 @@ def main() -> None:
         arms["separate"] = (lambda: unittest.mock.patch.object(ProjectionGroup, "trains", lambda *a: False), "off")
     if os.environ.get("GRAPHS", "1") == "1":  # CUDA-graphed training layers (jetrl/rl/train_graphs.py), both recipes
         arms["graphs"] = (contextlib.nullcontext, "on")
+    if os.environ.get("EAGER_REFRESH", "0") == "1":
+        from jetrl.fp8.refresh_graph import WeightRefresh
+
+        arms["eager_refresh"] = (lambda: unittest.mock.patch.object(WeightRefresh, "_refresh_graphed",
+                                                                    lambda *a: False), "on")
+    if "ARMS" in os.environ:
+        arms = {name: arm for name, arm in arms.items() if name in os.environ["ARMS"].split(",")}
     for size in os.environ.get("SIZES", "1.7b,4b").split(","):
         for arm, (context, graphs) in arms.items():
             # the size alone, not bench (f)'s second row

@@ -166,14 +166,17 @@ class ProjectionGroup:
                 view.scales.copy_(q.scales)
                 m.weight_cache.adopt(view)
                 self._writes += 1
-        note_weight_read(self, "W_s", self._stacked, self.stacked_weight, spec)
+        note_weight_read(self, "W_s", self._stacked, self.stacked_weight, self._settle_stacked, spec)
         return self._stacked
+
+    def _settle_stacked(self, spec: QuantSpec) -> None:
+        """Nothing: W_s *is* the members' buffers, which their caches settle (weight_cache.WeightRead)."""
 
     def stacked_weight_t(self, spec: QuantSpec) -> Float8Blocks:
         """W_s^T (K, N_total) for dgrad, from the stacked codes (never re-quantized), rebuilt in place when a member's
         weight was re-quantized or re-pointed since the last call."""
         stacked = self.stacked_weight(spec)
-        key = (tuple(m.weight_cache.num_quantizations for m in self.members), self._writes, stacked.codes.data_ptr())
+        key = self._stacked_t_version()
         if key != self._stacked_t_key:
             old = self._stacked_t
             if old is None or old.codes.shape != stacked.codes.shape[::-1] or old.codes.device != stacked.codes.device:
@@ -182,8 +185,23 @@ class ProjectionGroup:
                 transpose_codes(stacked.codes, out=old.codes)
                 old.scales.copy_(stacked.scales.t())
             self._stacked_t_key = key
-        note_weight_read(self, "W_s^T", self._stacked_t, self.stacked_weight_t, spec)
+        note_weight_read(self, "W_s^T", self._stacked_t, self.stacked_weight_t, self._settle_stacked_t, spec)
         return self._stacked_t
+
+    @property
+    def has_stacked_t(self) -> bool:
+        """Whether W_s^T is held (a dgrad read it): a full refresh rewrites it too (refresh_graph.py)."""
+        return self._stacked_t is not None
+
+    def _stacked_t_version(self) -> tuple:
+        """What W_s^T is built from: every member's weight version, the copies into W_s, and W_s's address."""
+        return (tuple(m.weight_cache.num_quantizations for m in self.members), self._writes,
+                self._stacked.codes.data_ptr())
+
+    def _settle_stacked_t(self, spec: QuantSpec) -> None:
+        """The host side of :meth:`stacked_weight_t` after a replay rebuilt W_s^T (weight_cache.WeightRead); the
+        members' W entries settle first (they were read first)."""
+        self._stacked_t_key = self._stacked_t_version()
 
     def _allocate(self, like: Float8Blocks) -> None:
         k = like.codes.shape[1]

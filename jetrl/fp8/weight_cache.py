@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from functools import partial
+from typing import NamedTuple
 
 import torch
 
@@ -73,9 +73,9 @@ _reads = _Reads()
 @contextlib.contextmanager
 def recorded_weight_reads() -> Iterator[dict]:
     """Log every cached FP8 weight buffer that is read inside the block (this class's :meth:`WeightCache.get` and
-    :meth:`~WeightCache.get_transposed`, a projection group's stacked W and W^T) as ``{key: (owner, reread,
-    blocks)}``: ``reread()`` brings that buffer up to date for the weight's current version, in place, and returns
-    it. Why: a CUDA graph captured inside the block reads those exact buffers on every replay, but the host logic
+    :meth:`~WeightCache.get_transposed`, a projection group's stacked W and W^T) as ``{key: WeightRead}``, in the
+    order first read: ``entry.redo()`` brings that buffer up to date for the weight's current version, in place, and
+    returns it. Why: a CUDA graph captured inside the block reads those exact buffers on every replay, but the host logic
     that refreshes them lazily does not run on a replay -- whoever replays it calls every ``reread`` first
     (jetrl/rl/train_graphs.py) and checks that the addresses held still. Nested blocks share the outermost log.
     The log is process-wide, not per thread: autograd runs a CUDA backward, whose dgrad reads W^T, on its own
@@ -95,13 +95,34 @@ def cache_epoch() -> int:
     return _reads.epoch
 
 
+class WeightRead(NamedTuple):
+    """One logged read (:func:`recorded_weight_reads`): ``owner``'s buffer ``kind`` ("W", "W^T", "W_s", "W_s^T"),
+    the ``blocks`` read, and how to bring it up to date: ``redo()`` re-reads it -- writing the weight's current
+    version into the same buffers if it is stale -- and ``settle()`` does only the host bookkeeping of such a
+    re-read, for when its kernels ran elsewhere (a CUDA-graph replay: jetrl/fp8/refresh_graph.py)."""
+
+    owner: object
+    kind: str
+    blocks: Float8Blocks
+    reread: Callable[..., Float8Blocks]
+    settle_fn: Callable[..., None]
+    args: tuple
+
+    def redo(self) -> Float8Blocks:
+        return self.reread(*self.args)
+
+    def settle(self) -> None:
+        self.settle_fn(*self.args)
+
+
 def note_weight_read(owner: object, kind: str, blocks: Float8Blocks, reread: Callable[..., Float8Blocks],
-                     *args) -> None:
-    """Log a read of ``blocks`` for :func:`recorded_weight_reads`, to be redone as ``reread(*args)`` (a no-op outside
-    one, which builds nothing: readers call it at every read)."""
+                     settle: Callable[..., None], *args) -> None:
+    """Log a read of ``blocks`` for :func:`recorded_weight_reads`, to be redone as ``reread(*args)`` (and settled as
+    ``settle(*args)``: :class:`WeightRead`); a no-op outside one, which builds nothing: readers call it at every
+    read."""
     log = _reads.log
     if log is not None:
-        log[(id(owner), kind)] = (owner, partial(reread, *args), blocks)
+        log[(id(owner), kind)] = WeightRead(owner, kind, blocks, reread, settle, args)
 
 
 @contextlib.contextmanager
@@ -155,6 +176,7 @@ class WeightCache:
     def __init__(self, name: str = "weight") -> None:
         self.name = name
         self.num_quantizations = 0  # how many times this weight was quantized (tests, metrics)
+        self.epoch = 0  # bumped whenever this cache is re-quantized, primed, re-pointed or invalidated (cache_epoch)
         self._key: tuple | None = None
         self._weight: Float8Blocks | None = None
         self._weight_t: Float8Blocks | None = None
@@ -173,18 +195,31 @@ class WeightCache:
             with torch.no_grad():
                 fresh = quantize(weight.detach(), spec.block, pow2_scale=spec.pow2_scale,
                                  check_finite=deferred is None, name=self.name, out=old if in_place else None)
-            if in_place:
-                old.forget()
-            else:
+            if not in_place:
                 self._weight = fresh.memoize() if fresh.codes.device.type == "cpu" else fresh
-            if deferred is not None:
-                deferred.append((self, self._weight))
-            self._transposed_stale = True
-            self._key = key
-            self.num_quantizations += 1
-            _reads.epoch += 1
-        note_weight_read(self, "W", self._weight, self.get, weight, spec)
+            self._written(key, check=deferred is not None)
+        note_weight_read(self, "W", self._weight, self.get, self.settle, weight, spec)
         return self._weight
+
+    def settle(self, weight: torch.Tensor, spec: QuantSpec) -> None:
+        """Record that the held buffers now hold q(``weight``) for its current version -- a CUDA graph that captured
+        :meth:`get`'s in-place re-quantization was replayed (jetrl/fp8/refresh_graph.py) -- without quantizing: the
+        host side of that :meth:`get`. Under :func:`batched_finite_check` the buffers join its one check."""
+        self._written(self._key_of(weight, spec), check=_deferred.pending is not None)
+
+    def is_current(self, weight: torch.Tensor, spec: QuantSpec) -> bool:
+        """Whether the held codes are q(``weight``) for its current version (a :meth:`get` would not quantize)."""
+        return self._key == self._key_of(weight, spec)
+
+    def _written(self, key: tuple, check: bool) -> None:
+        """Bookkeeping after a new version was written into ``self._weight`` (by :meth:`get`, or a replay)."""
+        self._weight.forget()
+        if check:
+            _deferred.pending.append((self, self._weight))
+        self._transposed_stale = True
+        self._key = key
+        self.num_quantizations += 1
+        self._changed()
 
     def get_transposed(self, weight: torch.Tensor, spec: QuantSpec) -> Float8Blocks:
         """q(W)^T for dgrad, from the same codes as :meth:`get` (never re-quantized)."""
@@ -196,8 +231,18 @@ class WeightCache:
             self._weight_t.scales.copy_(quantized.scales.t())
             self._weight_t.forget()
         self._transposed_stale = False
-        note_weight_read(self, "W^T", self._weight_t, self.get_transposed, weight, spec)
+        note_weight_read(self, "W^T", self._weight_t, self.get_transposed, self.settle_transposed, weight, spec)
         return self._weight_t
+
+    @property
+    def has_transposed(self) -> bool:
+        """Whether a transposed copy is held (a dgrad read it): a full refresh rewrites it too (refresh_graph.py)."""
+        return self._weight_t is not None
+
+    def settle_transposed(self, weight: torch.Tensor, spec: QuantSpec) -> None:
+        """:meth:`settle` for the transposed copy: a replay rewrote it from the current codes."""
+        self._weight_t.forget()
+        self._transposed_stale = False
 
     def adopt(self, blocks: Float8Blocks) -> None:
         """Hold the current codes in ``blocks`` instead (same values, e.g. a view of a stacked buffer
@@ -206,7 +251,7 @@ class WeightCache:
         if self._weight is None or not _same_layout(self._weight, blocks):
             raise ValueError(f"{self.name}: can only adopt blocks of the cached weight's layout")
         self._weight = blocks  # same values: a transposed copy made from the old buffer stays valid
-        _reads.epoch += 1
+        self._changed()
 
     def prime(self, weight: torch.Tensor, spec: QuantSpec, quantized: Float8Blocks) -> None:
         """Install ``quantized`` as q(``weight``) for the weight's *current* version, without quantizing.
@@ -257,6 +302,11 @@ class WeightCache:
         self._weight = quantized.memoize() if quantized.codes.device.type == "cpu" else quantized
         self._weight_t = None
         self._key = self._key_of(weight, spec)
+        self._changed()
+
+    def _changed(self) -> None:
+        """The held codes or buffers changed other than by a read: this cache's epoch and every cache's move."""
+        self.epoch += 1
         _reads.epoch += 1
 
     @staticmethod
@@ -266,7 +316,7 @@ class WeightCache:
     def invalidate(self) -> None:
         """Forget the version: the next read quantizes again (into the same buffers)."""
         self._key = None
-        _reads.epoch += 1
+        self._changed()
 
 
 def _is_transpose_layout(t: Float8Blocks, q: Float8Blocks) -> bool:

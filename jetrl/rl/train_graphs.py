@@ -26,10 +26,12 @@ What a replay cannot do, and how this file covers it:
   host logic refreshes lazily -- and no host logic runs on a replay. Capture records every FP8 buffer read
   (:func:`~jetrl.fp8.weight_cache.recorded_weight_reads`); before a replay, if any parameter's version, address or
   identity, or any cache (:func:`~jetrl.fp8.weight_cache.cache_epoch`), changed since the last look, every one of
-  those buffers and the stacks are brought up to date for the weights' current version, in place. The other BF16
-  parameters are read where they are, as the optimizer writes them in place. If a buffer or a parameter moved to a
-  new address, a parameter was replaced, or the set of trained parameters changed, the graphs are dropped and
-  captured again.
+  those buffers and the stacks are brought up to date for the weights' current version, in place. (After an optimizer
+  step the trainer's refresh has usually done it already, from a CUDA graph of its own, and says so through
+  :meth:`TrainingGraphs.assume_current`: then that check and its rereads are skipped; jetrl/fp8/refresh_graph.py.)
+  The other BF16 parameters are read where they are, as the optimizer writes them in place. If a buffer or a
+  parameter moved to a new address, a parameter was replaced, or the set of trained parameters changed, the graphs
+  are dropped and captured again.
 * **Gradients.** The backward graph adds into the ``.grad`` tensors that existed at capture. Just before each
   backward replay, a parameter whose ``.grad`` is None (``zero_grad(set_to_none=True)``) gets that tensor back,
   zeroed, and one whose ``.grad`` was replaced (same shape and dtype) has it copied in. So zeroing, clipping and the
@@ -44,7 +46,8 @@ What a replay cannot do, and how this file covers it:
 Memory: the pool holds the activations of the largest micro-batch captured, shared by every shape; each shape
 also keeps its static tensors, (rows, L', hidden) each -- input, output, output gradient and input gradient for
 training, input and output for a forward-only graph (at Qwen3-1.7B's width, 8 rows of 1152 tokens: 151 MB a
-training shape). At most ``max_graphs`` shapes are kept; the least recently used one is dropped beyond that.
+training shape). At most ``max_graphs`` shapes are kept; the least recently used one is dropped beyond that, once
+the new one is captured (a failed capture drops nothing), and with it the weight buffers only it read.
 
 Numerics: a replay runs exactly the kernels an eager call at the padded shape runs, so results are
 bit-identical to the eager model at that shape (tests/test_train_graphs.py). That holds for exact mode's
@@ -89,7 +92,7 @@ class TrainingGraphs:
         self.length_multiple, self.num_warmup, self.max_graphs = length_multiple, num_warmup, max_graphs
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()  # least recently used first
         self._pool = None
-        self._reads: dict = {}  # every FP8 weight buffer the graphs read (recorded_weight_reads)
+        self._reads: dict = {}  # every FP8 weight buffer the held graphs read (recorded_weight_reads)
         self._grads: list[tuple[nn.Parameter, Tensor]] = []  # (parameter, the .grad tensor the graphs add into)
         self._captured: tuple | None = None  # (ids, addresses) of the parameters and stacks at the last capture
         self._checked: tuple | None = None  # _weights_state() when the buffers were last brought up to date
@@ -139,7 +142,7 @@ class TrainingGraphs:
         if self._weights_state(params) == self._checked:
             return
         with torch.no_grad():
-            moved = any(_moved(reread(), held) for _, reread, held in self._reads.values())
+            moved = any(_moved(entry.redo(), entry.blocks) for entry in self._reads.values())
             now = _identity(params, refresh_stacked_projections(self.decoder))
         if moved or now != self._captured or (self._grads and [id(p) for p, _ in self._grads] !=
                                               [id(p) for p in params if p.requires_grad]):
@@ -178,14 +181,18 @@ class TrainingGraphs:
         self._graphs.clear()
         self._reads, self._grads, self._pool, self._captured, self._checked = {}, [], None, None, None
 
+    def assume_current(self, keys: frozenset) -> None:
+        """The weight buffers named by ``keys`` (``recorded_weight_reads`` keys) were all just brought up to date for
+        the weights' current versions, without a read (jetrl/fp8/refresh_graph.py's replay): if they include every
+        buffer the graphs read, the next replay skips its check and rereads."""
+        if self._graphs and keys.issuperset(self._reads):
+            self._checked = self._weights_state(_params(self.decoder))
+
     # ------------------------------------------------------------------ capture
     def _capture(self, x: Tensor, key: tuple) -> _Graph:
         """Capture the layers' forward (and, under autograd, their backward) at ``x``'s shape."""
         rows, length, _ = x.shape
         train = torch.is_grad_enabled()
-        if len(self._graphs) >= self.max_graphs:  # the least recently used shape makes room
-            torch.cuda.synchronize()
-            self._graphs.popitem(last=False)
         params = _params(self.decoder)
         trained = [p for p in params if p.requires_grad]
         if train and not self._grads:
@@ -221,26 +228,29 @@ class TrainingGraphs:
                 with capturing(bwd, self._pool):
                     torch.autograd.backward(out, grad_out, inputs=[static_x, *trained])
         clear_shared_input()  # hold nothing the capture quantized
-        self._reads.update(reads)
         with torch.no_grad():  # what the graphs read the BF16 parameters and stacks from
             self._captured = _identity(params, refresh_stacked_projections(self.decoder))
         self._checked = None  # check on the next call (a capture's reads may have filled a lazy cache)
-        graph = _Graph(fwd, bwd, static_x, out.detach(), grad_out, static_x.grad, keep=(cos, sin))
+        graph = _Graph(fwd, bwd, static_x, out.detach(), grad_out, static_x.grad, reads, keep=(cos, sin))
         static_x.grad = None  # the graph keeps writing into it; nothing may accumulate there
+        if len(self._graphs) >= self.max_graphs:  # the least recently used shape makes room, once this one is in
+            torch.cuda.synchronize()
+            self._graphs.popitem(last=False)
         self._graphs[key] = graph
+        self._reads = {k: entry for g in self._graphs.values() for k, entry in g.reads.items()}  # first read first
         self.num_captures += 1
         return graph
 
 
 class _Graph:
-    """One shape's captured forward and backward with their static tensors. ``keep``: every other tensor made outside
-    the capture that the graphs read (RoPE's cos/sin): held here, or its memory would be reused while the graphs
-    still read it."""
+    """One shape's captured forward and backward with their static tensors. ``reads``: the FP8 weight buffers they
+    read (recorded_weight_reads). ``keep``: every other tensor made outside the capture that the graphs read (RoPE's
+    cos/sin): held here, or its memory would be reused while the graphs still read it."""
 
     def __init__(self, fwd, bwd, x: Tensor, out: Tensor, grad_out: Tensor | None, grad_x: Tensor | None,
-                 keep: tuple) -> None:
+                 reads: dict, keep: tuple) -> None:
         self.fwd, self.bwd, self.x, self.out, self.grad_out, self.grad_x = fwd, bwd, x, out, grad_out, grad_x
-        self.keep = keep
+        self.reads, self.keep = reads, keep
 
 
 class _Replay(torch.autograd.Function):

@@ -9,8 +9,9 @@
     correction    TIS / MIS weights from old vs rollout logprobs (off by default)           correction.py
     update        num_iterations epochs of micro-batches: policy_loss (loss.py), gradient
                   accumulation, clipping, a non-finite check, AdamW, then every FP8 weight is
-                  quantized once for the new version (refresh_weight_caches); on CUDA the
-                  decoder layers' forward+backward replay from CUDA graphs      train_graphs.py
+                  quantized once for the new version (refresh_weight_caches; on CUDA replayed
+                  from a CUDA graph, refresh_graph.py); on CUDA the decoder layers'
+                  forward+backward replay from CUDA graphs                      train_graphs.py
 
 This file only orchestrates; the math lives in the pure functions it calls. The recipe's
 rollout-subgraph check runs in the constructor, so an undeclared off-policy flow never starts.
@@ -40,6 +41,7 @@ from jetrl.fp8 import (
     refresh_weight_caches,
     track_optimizer,
 )
+from jetrl.fp8.refresh_graph import WeightRefresh
 from jetrl.models.stacked_projections import remove_stacked_projections
 from jetrl.rewards import math_reward, resolve_reward_funcs
 from jetrl.rl.batch import RolloutBatch, completion_logprobs
@@ -88,6 +90,7 @@ class GRPOTrainer:
         self.engine = Engine(self.model, tokenizer, max_slots=args.generation_batch_size,
                              max_len=args.max_prompt_length + args.max_completion_length, **(engine_kwargs or {}))
         self.train_graphs = self._resolve_train_graphs(args.train_cuda_graphs)
+        self.weight_refresh = WeightRefresh(self.model)
         self.step = 0
         self.optimizer_steps = 0
         self.nonfinite_steps = 0
@@ -261,7 +264,9 @@ class GRPOTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
-        refresh_weight_caches(self.model)  # quantize every FP8 weight once for the new version
+        # quantize every FP8 weight once for the new version (on CUDA from a CUDA graph: jetrl/fp8/refresh_graph.py)
+        if self.weight_refresh.refresh() and self.train_graphs is not None:
+            self.train_graphs.assume_current(self.weight_refresh.keys)
         return norm
 
     def _lr(self) -> float:
