@@ -1,5 +1,6 @@
 """Run configs: presets, YAML, dotted overrides, and one-line actionable errors."""
 
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -97,3 +98,23 @@ def test_empty_dataset_file_is_one_line(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and str(empty) in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_deterministic_sets_torch_and_cublas_for_the_run_only(monkeypatch):
+    """``deterministic=true`` (jetrl/run/determinism.py): inside the run torch's deterministic algorithms are on
+    (warn-only) and cuBLAS has a fixed workspace; afterwards torch's setting is back."""
+    import torch
+
+    from jetrl.run.determinism import CUBLAS_ENV, CUBLAS_FIXED_WORKSPACE, deterministic_algorithms
+
+    assert resolve_config(get_preset("tiny"), None, ["deterministic=true"]).deterministic is True
+    monkeypatch.delenv(CUBLAS_ENV, raising=False)
+    before = torch.are_deterministic_algorithms_enabled()
+    with deterministic_algorithms(False):
+        assert torch.are_deterministic_algorithms_enabled() == before
+    with deterministic_algorithms():
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        assert torch.zeros(3).index_add_(0, torch.tensor([0, 0]), torch.ones(2)).tolist() == [2, 0, 0]
+    assert torch.are_deterministic_algorithms_enabled() == before
+    assert os.environ[CUBLAS_ENV] == CUBLAS_FIXED_WORKSPACE

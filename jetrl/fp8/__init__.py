@@ -24,6 +24,7 @@ from jetrl.fp8.recipe import (
     get_recipe,
     precision_phase,
 )
+from jetrl.fp8.refresh_graph import WeightRefresh
 from jetrl.fp8.weight_cache import track_optimizer
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "OffPolicyRecipeError",
     "QuantSpec",
     "Recipe",
+    "WeightRefresh",
     "check_model_precision",
     "check_rollout_subgraph",
     "convert_to_float8",

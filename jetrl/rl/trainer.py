@@ -33,6 +33,7 @@ from jetrl.data import encode_prompts
 from jetrl.engine import Engine
 from jetrl.fp8 import (
     Recipe,
+    WeightRefresh,
     check_model_precision,
     check_rollout_subgraph,
     convert_to_float8,
@@ -41,7 +42,6 @@ from jetrl.fp8 import (
     refresh_weight_caches,
     track_optimizer,
 )
-from jetrl.fp8.refresh_graph import WeightRefresh
 from jetrl.models.stacked_projections import remove_stacked_projections
 from jetrl.rewards import math_reward, resolve_reward_funcs
 from jetrl.rl.batch import RolloutBatch, completion_logprobs

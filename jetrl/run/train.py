@@ -31,6 +31,7 @@ from jetrl.rl.logger import MetricsLogger
 from jetrl.rl.metrics import MISMATCH_KEYS
 from jetrl.rl.trainer import GRPOTrainer
 from jetrl.run.config import RunConfig, from_dict
+from jetrl.run.determinism import deterministic_algorithms
 from jetrl.run.evaluate import evaluate
 from jetrl.run.models import load_model
 from jetrl.run.tasks import load_task
@@ -45,8 +46,9 @@ def load_run_config(run_dir: str | Path) -> RunConfig:
 
 
 def run_training(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
-    """Train ``cfg`` (in exact mode if ``cfg.exact``: jetrl/exact.py) and return the run's summary."""
-    with use_exact() if cfg.exact else contextlib.nullcontext():
+    """Train ``cfg`` (in exact mode if ``cfg.exact``: jetrl/exact.py; with deterministic algorithms if
+    ``cfg.deterministic``: jetrl/run/determinism.py) and return the run's summary."""
+    with use_exact() if cfg.exact else contextlib.nullcontext(), deterministic_algorithms(cfg.deterministic):
         return _run_training(cfg, resume)
 
 
@@ -75,6 +77,7 @@ def _run_training(cfg: RunConfig, resume: bool) -> dict[str, Any]:
     print(f"jetrl train: preset={cfg.preset} recipe={cfg.recipe} model={source} device={device} run_dir={run_dir}")
     print(cfg.to_yaml().rstrip())
     print(f"precision flow: {json.dumps(trainer.recipe.metadata())}; exact mode: {exact_requested()}; "
+          f"deterministic algorithms: {torch.are_deterministic_algorithms_enabled()}; "
           f"old logprobs: {trainer.old_logprobs_source}; training CUDA graphs: "
           f"{'on' if trainer.train_graphs is not None else 'off'}")
 
