@@ -3,9 +3,11 @@
 Why: an optimizer step changes every trained weight, and every FP8 buffer a reader holds must then be rewritten for
 the new version (weight_cache.py): a layer's 128x128 codes and scales (W), the transposed copy its dgrad reads
 (W^T), a projection group's stacked W_s^T. Eagerly that is a few launches per weight and tens of µs of host time
-each: the refresh and the transposes that follow it took 34 ms of wall time at Qwen3-0.6B's 196 weights and 44 ms
-at the 8B's 252 (bench/time_weight_refresh.py), far above their GPU work, while the GPU waits. Replayed from a
-graph, the kernels are one launch.
+each: the refresh and the transposes that follow it took 24.4 ms of wall time at Qwen3-0.6B's 196 weights and 45.5 ms
+at the 8B's 252, far above their GPU work, while the GPU waits; replayed from a graph, 3.9 and 15.9 ms
+(bench/time_weight_refresh.py, run FI). Where the GPU is still busy with the optimizer step (the 8B's AdamW) the
+eager host time hid behind it; where it is not (small models), it was the FP8 update's gap to BF16
+(docs/benchmarks.md (f)).
 
 How: every rewrite goes into the same buffers, at the same addresses, whatever the version (weight_cache.py), so a
 graph that captured the rewrites stays valid across versions. The capture runs the eager refresh -- each FP8

@@ -75,8 +75,8 @@ def recorded_weight_reads() -> Iterator[dict]:
     """Log every cached FP8 weight buffer that is read inside the block (this class's :meth:`WeightCache.get` and
     :meth:`~WeightCache.get_transposed`, a projection group's stacked W and W^T) as ``{key: WeightRead}``, in the
     order first read: ``entry.redo()`` brings that buffer up to date for the weight's current version, in place, and
-    returns it. Why: a CUDA graph captured inside the block reads those exact buffers on every replay, but the host logic
-    that refreshes them lazily does not run on a replay -- whoever replays it calls every ``reread`` first
+    returns it. Why: a CUDA graph captured inside the block reads those exact buffers on every replay, but the host
+    logic that refreshes them lazily does not run on a replay -- whoever replays it calls every ``redo()`` first
     (jetrl/rl/train_graphs.py) and checks that the addresses held still. Nested blocks share the outermost log.
     The log is process-wide, not per thread: autograd runs a CUDA backward, whose dgrad reads W^T, on its own
     device thread."""
@@ -104,12 +104,12 @@ class WeightRead(NamedTuple):
     owner: object
     kind: str
     blocks: Float8Blocks
-    reread: Callable[..., Float8Blocks]
+    redo_fn: Callable[..., Float8Blocks]
     settle_fn: Callable[..., None]
     args: tuple
 
     def redo(self) -> Float8Blocks:
-        return self.reread(*self.args)
+        return self.redo_fn(*self.args)
 
     def settle(self) -> None:
         self.settle_fn(*self.args)
