@@ -99,7 +99,7 @@ class RunConfig:
     device: str = _f("auto", "'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:N]'")
     exact: bool = _f(False, "exact mode: batch-invariant kernels, rollout logprobs equal the trainer's bit for bit "
                             "(jetrl/exact.py; slower on a GPU)")
-    deterministic: bool = _f(False, "bit-reproducible runs (and resumes) on a GPU too: torch's deterministic "
+    deterministic: bool = _f(False, "bit-reproducible runs on a GPU too: torch's deterministic "
                                     "algorithms, a fixed cuBLAS workspace (jetrl/run/determinism.py)")
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
