@@ -109,6 +109,19 @@ def test_section_error_does_not_stop_the_others(monkeypatch, tmp_path, capsys):
     assert list(data["sections"]) == ["a", "b"] and data["sections"]["a"]["rows"][0]["check"] == "ok"
 
 
+@pytest.mark.parametrize("flag", [[], ["--deterministic"]])
+def test_deterministic_runs_every_section_under_it_and_says_so(flag, monkeypatch, tmp_path, capsys):
+    seen = []
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (else the run sets it, and it would outlive the test)
+    monkeypatch.setattr(runner, "SECTIONS", {
+        "a": ("fake a", lambda cfg, device: seen.append(torch.are_deterministic_algorithms_enabled()) or [])})
+    before = torch.are_deterministic_algorithms_enabled()
+    assert main(["bench", "--smoke", "--sections", "a", "--out", str(tmp_path), *flag]) == 0
+    assert seen == [bool(flag) or before] and torch.are_deterministic_algorithms_enabled() == before  # the run only
+    assert ("--deterministic" in json.loads((tmp_path / "bench.json").read_text())["meta"]["command"]) == bool(flag)
+    capsys.readouterr()
+
+
 def test_bad_sections_is_a_user_error(capsys):
     assert main(["bench", "--smoke", "--sections", "a,x"]) == 2
     assert "--sections" in capsys.readouterr().err

@@ -102,7 +102,8 @@ def test_empty_dataset_file_is_one_line(tmp_path):
 
 def test_deterministic_sets_torch_and_cublas_for_the_run_only(monkeypatch):
     """``deterministic=true`` (jetrl/run/determinism.py): inside the run torch's deterministic algorithms are on
-    (warn-only) and cuBLAS has a fixed workspace; afterwards torch's setting is back."""
+    (warn-only, without the fill of new tensors) and cuBLAS has a fixed workspace; afterwards torch's settings are
+    back."""
     import torch
 
     from jetrl.run.determinism import CUBLAS_ENV, CUBLAS_FIXED_WORKSPACE, deterministic_algorithms
@@ -115,6 +116,8 @@ def test_deterministic_sets_torch_and_cublas_for_the_run_only(monkeypatch):
     with deterministic_algorithms():
         assert torch.are_deterministic_algorithms_enabled()
         assert torch.is_deterministic_algorithms_warn_only_enabled()
+        assert torch.utils.deterministic.fill_uninitialized_memory is False  # a kernel per allocation, for nothing
         assert torch.zeros(3).index_add_(0, torch.tensor([0, 0]), torch.ones(2)).tolist() == [2, 0, 0]
     assert torch.are_deterministic_algorithms_enabled() == before
+    assert torch.utils.deterministic.fill_uninitialized_memory is True  # torch's default, back
     assert os.environ[CUBLAS_ENV] == CUBLAS_FIXED_WORKSPACE

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from jetrl.fp8 import convert_to_float8, get_recipe, refresh_weight_caches, track_optimizer
+from jetrl.fp8.convert import float8_modules
 from jetrl.fp8.refresh_graph import WeightRefresh
 from jetrl.models import CausalLM, ModelConfig
 from jetrl.rl import GRPOConfig
@@ -68,12 +69,13 @@ def test_trainer_auto_stays_eager_on_cpu_and_on_refuses():
         trainer("on")
 
 
-def test_recorded_weight_reads_and_the_cache_epoch():
+def test_recorded_weight_reads_and_the_cache_epochs():
     """What a replay relies on, on the CPU: every FP8 weight buffer a training forward+backward reads is logged
     (W by fprop, W^T by dgrad, a group's stacked W and W^T where siblings train as one Function), and a reread
-    after an optimizer step writes the new version into the very same buffers; any cache change moves the epoch."""
+    after an optimizer step writes the new version into the very same buffers; a cache's change moves its epoch
+    and no other cache's."""
     from jetrl.fp8.quant import quantize
-    from jetrl.fp8.weight_cache import cache_epoch, recorded_weight_reads
+    from jetrl.fp8.weight_cache import recorded_weight_reads
 
     torch.manual_seed(0)
     model = convert_to_float8(CausalLM(CFG), get_recipe("jet"))
@@ -89,21 +91,22 @@ def test_recorded_weight_reads_and_the_cache_epoch():
     # every linear's W and W^T (7 per layer), but layer 0's q/k/v read their W^T as the group's W_s^T (and its W_s)
     assert kinds == {"WeightCache": 2 * 7 * CFG.num_hidden_layers - 3, "ProjectionGroup": 2}, kinds
     held = {key: (e.blocks.codes.data_ptr(), e.blocks.scales.data_ptr()) for key, e in reads.items()}
-    epoch = cache_epoch()
+    caches = [m.weight_cache for m in float8_modules(model).values()]
+    epochs = [c.epoch for c in caches]
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.5)
     for key, entry in reads.items():
         now = entry.redo()
         assert (now.codes.data_ptr(), now.scales.data_ptr()) == held[key]  # in place
-    assert cache_epoch() > epoch
+    assert all(c.epoch > e for c, e in zip(caches, epochs))  # every weight changed: every cache re-quantized
     o_proj = model.model.layers[1].self_attn.o_proj
     fresh = quantize(o_proj.weight.detach(), (128, 128))
     assert torch.equal(o_proj.weight_cache.get(o_proj.weight, get_recipe("jet").train.weight).codes.view(torch.uint8),
                        fresh.codes.view(torch.uint8))
-    epoch = cache_epoch()
+    epochs = [c.epoch for c in caches]
     o_proj.weight_cache.invalidate()
-    assert cache_epoch() > epoch
+    assert [c.epoch - e for c, e in zip(caches, epochs)] == [c is o_proj.weight_cache for c in caches]
 
 
 def test_settle_is_the_host_side_of_a_reread():
@@ -111,7 +114,7 @@ def test_settle_is_the_host_side_of_a_reread():
     logged reread have rewritten the buffers (here called one by one, as a replay runs them), ``settle()`` leaves each
     cache as its reread would -- no later read quantizes or transposes again, and the bits are the eager ones."""
     from jetrl.fp8.quant import quantize, transpose_codes
-    from jetrl.fp8.weight_cache import batched_finite_check, cache_epoch, recorded_weight_reads
+    from jetrl.fp8.weight_cache import batched_finite_check, recorded_weight_reads
 
     def build():
         torch.manual_seed(0)
@@ -141,14 +144,14 @@ def test_settle_is_the_host_side_of_a_reread():
         assert not any(e.owner.is_current(*e.args) for e in reads.values() if e.kind == "W")
         for entry in reads.values():
             entry.settle()
-    epoch = cache_epoch()
+    epochs = [c.epoch for c in (m.weight_cache for m in float8_modules(model).values())]
     for key, entry in reads.items():
         again = entry.redo()  # nothing stale: no kernel, no new buffer
         assert again is entry.blocks, key
         same = eager_reads[(id(_twin(entry.owner, model, eager)), entry.kind)].blocks
         assert torch.equal(again.codes.view(torch.uint8), same.codes.view(torch.uint8)), key
         assert torch.equal(again.scales, same.scales), key
-    assert cache_epoch() == epoch
+    assert [m.weight_cache.epoch for m in float8_modules(model).values()] == epochs
     assert all(reads[key].owner.num_quantizations == n + 1 for key, n in counts.items())
 
 
@@ -219,7 +222,7 @@ def test_the_refresh_graph_writes_the_eager_bits_checks_and_steps_aside():
     """WeightRefresh (jetrl/fp8/refresh_graph.py): captured at the first full refresh, replayed at the next, every
     buffer the graphs read -- W, W^T, the stacked W_s^T -- holds the eager quantization's bits, and the graphs skip
     their rereads; a NaN weight raises naming it, and the next refresh captures again; with a frozen weight (not every
-    buffer stale) the refresh is eager."""
+    buffer stale) the refresh is eager; a second model's caches changing makes the graphs reread nothing."""
     from jetrl.fp8.quant import NonFiniteError, quantize
 
     _, model = _models("jet")
@@ -260,6 +263,14 @@ def test_the_refresh_graph_writes_the_eager_bits_checks_and_steps_aside():
         check_bits()
         assert checked is not None and graphs._checked is checked  # the next replay found nothing to reread
     assert {e.kind for e in graphs._reads.values()} == {"W", "W^T", "W_s", "W_s^T"}  # every kind was checked
+    other = convert_to_float8(CausalLM(CFG).to("cuda", torch.bfloat16), get_recipe("jet"))  # a second model
+    with torch.no_grad():
+        other.hidden_states(ids)  # quantizes its own caches
+    for module in float8_modules(other).values():
+        module.weight_cache.invalidate()
+    checked = graphs._checked
+    check_bits()
+    assert graphs._checked is checked  # another model's caches changing asks this one's graphs for no reread
     o_proj = model.model.layers[1].self_attn.o_proj
     good = o_proj.weight.detach().clone()
     step()

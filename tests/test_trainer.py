@@ -202,17 +202,16 @@ def _final_state(run_dir):
 def test_kill_dash_9_then_resume_is_bitwise_identical(random_checkpoint, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     full = tmp_path / "full"
-    # deterministic=true: what makes a GPU run (and so its resume) bit-reproducible (jetrl/run/determinism.py);
-    # the resumed run reads it back from its config.yaml
-    proc = subprocess.run(_job(random_checkpoint, full, "deterministic=true"), capture_output=True, text=True, env=env,
-                          timeout=600)
+    # the default deterministic=true is what makes a GPU run (and so its resume) bit-reproducible
+    # (jetrl/run/determinism.py); the resumed run reads it back from its config.yaml
+    proc = subprocess.run(_job(random_checkpoint, full), capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["steps"] == 6 and result["run_dir"] == str(full)
     assert set(result["mismatch"]) == set(MISMATCH_KEYS)
 
     killed = tmp_path / "killed"
-    job = subprocess.Popen(_job(random_checkpoint, killed, "deterministic=true"), stdout=subprocess.DEVNULL,
+    job = subprocess.Popen(_job(random_checkpoint, killed), stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, env=env)
     deadline = time.time() + 300
     while not (killed / "checkpoints" / "step_000004" / "trainer_state.pt").exists():

@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torchao", action="store_true",
                    help="(b) also times torchao's blockwise FP8 training linear, the same recipe, as a second "
                         "baseline (needs torchao importable; (b) took ~3 minutes with it on an H200)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="every section under torch's deterministic algorithms and a fixed cuBLAS workspace, as "
+                        "`jetrl train deterministic=true` runs (jetrl/run/determinism.py): what that setting costs")
     p.add_argument("--in-process", action="store_true",
                    help="run every section in this process (default on CUDA: one child process per section, so "
                         "a section that corrupts CUDA state -- a sticky kernel fault, a broken graph capture -- "
@@ -57,6 +60,7 @@ def command_line(args: argparse.Namespace, sections: str, out: str | None = None
             parts += [flag, str(value)]
     parts += [] if args.long_context else ["--no-long-context"]
     parts += ["--torchao"] if args.torchao else []
+    parts += ["--deterministic"] if args.deterministic else []
     return shlex.join(parts)
 
 
@@ -67,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
     from jetrl.bench.runner import run_bench
     from jetrl.bench.shapes import h200_config, smoke_config
+    from jetrl.run.determinism import deterministic_algorithms
 
     sections = parse_sections(args.sections)
     device = torch.device(args.device or ("cpu" if args.smoke else "cuda"))
@@ -83,4 +88,5 @@ def run(args: argparse.Namespace) -> int:
     if device.type == "cuda" and len(sections) > 1 and not args.in_process:
         def child(key: str, out: str) -> list[str]:  # the argv of a child process running section ``key`` alone
             return [*shlex.split(command_line(args, key, out))[1:], "--in-process"]
-    return run_bench(cfg, sections, args.out, device, command_line(args, sections), child_argv=child)
+    with deterministic_algorithms(args.deterministic):  # before any section starts cuBLAS
+        return run_bench(cfg, sections, args.out, device, command_line(args, sections), child_argv=child)

@@ -64,7 +64,6 @@ _deferred = _Deferred()
 
 class _Reads:  # not thread-local: autograd runs a CUDA backward (whose W^T reads count) on a thread of its own
     log: dict[tuple[int, str], tuple[object, Callable[[], Float8Blocks], Float8Blocks]] | None = None
-    epoch = 0  # bumped whenever any cache's content changes other than by a read (cache_epoch)
 
 
 _reads = _Reads()
@@ -86,13 +85,6 @@ def recorded_weight_reads() -> Iterator[dict]:
         yield _reads.log
     finally:
         _reads.log = outer
-
-
-def cache_epoch() -> int:
-    """A number that changes whenever any weight cache is re-quantized, primed, re-pointed or invalidated: with the
-    weights' versions, what tells a CUDA graph's holder that no buffer it reads can have gone stale since it last
-    looked (jetrl/rl/train_graphs.py)."""
-    return _reads.epoch
 
 
 class WeightRead(NamedTuple):
@@ -176,7 +168,9 @@ class WeightCache:
     def __init__(self, name: str = "weight") -> None:
         self.name = name
         self.num_quantizations = 0  # how many times this weight was quantized (tests, metrics)
-        self.epoch = 0  # bumped whenever this cache is re-quantized, primed, re-pointed or invalidated (cache_epoch)
+        # bumped whenever this cache is re-quantized, primed, re-pointed or invalidated: with the weight's version,
+        # what tells a CUDA graph's holder that no buffer it reads went stale since it looked (train_graphs.py)
+        self.epoch = 0
         self._key: tuple | None = None
         self._weight: Float8Blocks | None = None
         self._weight_t: Float8Blocks | None = None
@@ -305,9 +299,8 @@ class WeightCache:
         self._changed()
 
     def _changed(self) -> None:
-        """The held codes or buffers changed other than by a read: this cache's epoch and every cache's move."""
+        """The held codes or buffers changed other than by a read: the epoch moves."""
         self.epoch += 1
-        _reads.epoch += 1
 
     @staticmethod
     def _key_of(weight: torch.Tensor, spec: QuantSpec) -> tuple:

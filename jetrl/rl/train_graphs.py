@@ -25,7 +25,8 @@ What a replay cannot do, and how this file covers it:
   and W_s^T) and, in a BF16 no-grad pass, the BF16 sibling stacks (jetrl/models/stacked_projections.py), which
   host logic refreshes lazily -- and no host logic runs on a replay. Capture records every FP8 buffer read
   (:func:`~jetrl.fp8.weight_cache.recorded_weight_reads`); before a replay, if any parameter's version, address or
-  identity, or any cache (:func:`~jetrl.fp8.weight_cache.cache_epoch`), changed since the last look, every one of
+  identity, or any of the decoder's caches (its ``epoch``: a prime, an eager re-quantization, a re-pointing; another
+  model's caches do not count), changed since the last look, every one of
   those buffers and the stacks are brought up to date for the weights' current version, in place. (After an optimizer
   step the trainer's refresh has usually done it already, from a CUDA graph of its own, and says so through
   :meth:`TrainingGraphs.assume_current`: then that check and its rereads are skipped; jetrl/fp8/refresh_graph.py.)
@@ -67,7 +68,8 @@ from jetrl.engine.cuda_graph import capturing, warm_up
 from jetrl.exact import exact_active
 from jetrl.fp8.linear import clear_shared_input
 from jetrl.fp8.recipe import current_phase
-from jetrl.fp8.weight_cache import cache_epoch, recorded_weight_reads
+from jetrl.fp8.convert import float8_modules
+from jetrl.fp8.weight_cache import recorded_weight_reads
 from jetrl.models.stacked_projections import refresh_stacked_projections
 
 DEFAULT_LENGTH_MULTIPLE = 128
@@ -96,6 +98,7 @@ class TrainingGraphs:
         self._grads: list[tuple[nn.Parameter, Tensor]] = []  # (parameter, the .grad tensor the graphs add into)
         self._captured: tuple | None = None  # (ids, addresses) of the parameters and stacks at the last capture
         self._checked: tuple | None = None  # _weights_state() when the buffers were last brought up to date
+        self._caches: list = []  # the decoder's FP8 weight caches at the last capture, whose epochs _checked holds
         self.generation = 0  # forward replays so far: a backward must belong to the latest
         # an input of every replay that requires grad, so the layers train even when x does not (a frozen embedding)
         self._anchor = torch.zeros((), device=next(model.parameters()).device, requires_grad=True)
@@ -150,11 +153,13 @@ class TrainingGraphs:
             return
         self._checked = self._weights_state(params)  # after the rereads, which re-quantized what was stale
 
-    @staticmethod
-    def _weights_state(params: list[nn.Parameter]) -> tuple:
-        """The weight caches' epoch and every decoder parameter's identity, version and address: while it holds, no
-        buffer the graphs read can have gone stale, and the rereads (~10 µs each, a dozen per layer) are skipped."""
-        return cache_epoch(), tuple((id(p), p._version, p.data_ptr(), p.requires_grad) for p in params)
+    def _weights_state(self, params: list[nn.Parameter]) -> tuple:
+        """The decoder's weight caches' epochs and every decoder parameter's identity, version and address: while it
+        holds, no buffer the graphs read can have gone stale, and the rereads (~10 µs each, a dozen per layer) are
+        skipped. Per cache, not process-wide: a second model's caches changing (a reference model's, an evaluation
+        copy's) leaves this one's graphs unchecked."""
+        return (tuple(cache.epoch for cache in self._caches),
+                tuple((id(p), p._version, p.data_ptr(), p.requires_grad) for p in params))
 
     def _bind_grads(self) -> None:
         """Just before a backward replay: hand each parameter the ``.grad`` tensor the graph adds into (module
@@ -230,6 +235,7 @@ class TrainingGraphs:
         clear_shared_input()  # hold nothing the capture quantized
         with torch.no_grad():  # what the graphs read the BF16 parameters and stacks from
             self._captured = _identity(params, refresh_stacked_projections(self.decoder))
+        self._caches = [m.weight_cache for m in float8_modules(self.decoder).values()]
         self._checked = None  # check on the next call (a capture's reads may have filled a lazy cache)
         graph = _Graph(fwd, bwd, static_x, out.detach(), grad_out, static_x.grad, reads, keep=(cos, sin))
         static_x.grad = None  # the graph keeps writing into it; nothing may accumulate there

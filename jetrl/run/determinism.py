@@ -11,7 +11,21 @@ and no slower at that size; the fixed cuBLAS workspace alone was not enough.
 What it sets, for the run: ``torch.use_deterministic_algorithms(True, warn_only=True)`` -- an op with no deterministic
 implementation warns, naming itself, instead of stopping the run -- and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` where it
 is unset. cuBLAS reads that variable when it starts, so it is set before the run touches CUDA; a process whose cuBLAS
-already started keeps its workspace, and a warning says so. The previous torch setting is restored afterwards.
+already started keeps its workspace, and a warning says so. The previous torch settings are restored afterwards.
+
+Which op it was (bench/probe_nondeterminism.py, run FR): in the embedded default (fp32 master weights, the training
+layers replayed from CUDA graphs) repeated backward passes from the same weights gave the same gradient for every
+parameter but one, the token embedding's (off by up to 6e-9): its CUDA backward at the graphs' padded length (more
+than 3072 token ids, many of them the padding's) sums in a varying order; torch's deterministic mode makes it sort
+instead. Rollouts and the old-logprob pass repeated bit for bit either way, and with BF16 master weights every
+gradient repeated over 4 passes in default mode too (run FS; attention pinned to flash, cuDNN or math alike).
+
+What it leaves off: torch's deterministic mode also fills every new ``torch.empty`` tensor with NaN
+(``torch.utils.deterministic.fill_uninitialized_memory``), one extra kernel per allocation, so that a kernel reading
+memory it never wrote reads the same thing each run. That fill cost the 8B training phase 10% under ``jet`` and 3%
+under ``bf16``, and Qwen3-1.7B's 10% and 5% (bench (f), runs FR, FS); without it the cost was within the noise
+(-0.2% / +0.5%, +1.9% / 0%) and two 60-step runs of the embedded default were still bit-identical (run FS): no jetrl
+kernel reads memory it has not written (what the fill would paper over), so it is turned off for the run.
 """
 
 from __future__ import annotations
@@ -22,6 +36,7 @@ import warnings
 from collections.abc import Iterator
 
 import torch
+import torch.utils.deterministic
 
 CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"
 CUBLAS_FIXED_WORKSPACE = ":4096:8"
@@ -29,8 +44,8 @@ CUBLAS_FIXED_WORKSPACE = ":4096:8"
 
 @contextlib.contextmanager
 def deterministic_algorithms(enabled: bool = True) -> Iterator[None]:
-    """Run the block with torch's deterministic algorithms and a fixed cuBLAS workspace (module docstring); a no-op
-    when ``enabled`` is False."""
+    """Run the block with torch's deterministic algorithms, a fixed cuBLAS workspace and no fill of new tensors (module
+    docstring); a no-op when ``enabled`` is False."""
     if not enabled:
         yield
         return
@@ -41,8 +56,11 @@ def deterministic_algorithms(enabled: bool = True) -> Iterator[None]:
                           "the process starts", stacklevel=3)
         os.environ[CUBLAS_ENV] = CUBLAS_FIXED_WORKSPACE
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    fill = torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False  # (module docstring: what it leaves off)
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.utils.deterministic.fill_uninitialized_memory = fill
