@@ -1,10 +1,10 @@
-"""Which op makes a default GPU training run non-reproducible? (the open question of jetrl/run/determinism.py)
+"""Which op made GPU training runs non-reproducible? (the answer is in jetrl/run/determinism.py)
 
-Four default runs of `jetrl train` on an H200 parted ways at step 2-19; with torch's deterministic algorithms they
-matched bit for bit (docs/benchmarks.md, runs FM-FQ), and no op warned, so torch switched some op to a deterministic
-kernel silently. This probe finds it. It builds the embedded default's trainer on CUDA (its model, task, recipe and
-training CUDA graphs), draws one rollout batch, gives it fixed random advantages (so every gradient is non-zero), and
-under each MODE repeats, REPS times from the same weights:
+Four runs of `jetrl train` on an H200, then without deterministic mode, parted ways at step 2-19; with torch's
+deterministic algorithms they matched bit for bit (docs/benchmarks.md, runs FM-FQ), and no op warned, so torch
+switched some op to a deterministic kernel silently. This probe finds it. It builds the embedded default's trainer
+on CUDA (its model, task, recipe and training CUDA graphs), draws one rollout batch, gives it fixed random advantages
+(so every gradient is non-zero), and under each MODE repeats, REPS times from the same weights:
 
     rollout  the same rollout, same seed: do the tokens and logprobs repeat?
     forward  the trainer's old-logprob pass (no grad): do the logprobs repeat?
@@ -14,12 +14,16 @@ under each MODE repeats, REPS times from the same weights:
 Modes: ``default``; ``deterministic`` (jetrl/run/determinism.py); ``default`` with scaled_dot_product_attention held to
 one backend (``sdpa=flash|efficient|cudnn|math``); ``eager`` (the training graphs off). The training graphs are
 captured again for every mode. cuBLAS has the fixed workspace throughout (set before the process starts, below):
-it alone did not make runs repeat (run FN).
+it alone did not make runs repeat (run FP).
 
     CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONPATH=. OUT=$OUT python3 bench/probe_nondeterminism.py
 
 ``DTYPE=bfloat16`` trains the model in BF16, as a real one is (the default's is fp32); ``DEVICE=cpu REPS=2
 MODES=default,eager`` checks the probe itself on a CPU, where every mode repeats.
+
+Found (runs FR, FS; docs/benchmarks.md "Reproducibility on the GPU"): in fp32, only the token embedding's gradient
+varied, in ``default`` and ``sdpa=math`` (the only backend that runs this fp32 model), never ``eager`` or
+``deterministic``; in BF16 nothing varied in any mode.
 """
 
 from __future__ import annotations
@@ -47,17 +51,18 @@ REPS = int(os.environ.get("REPS", "4"))
 MODES = os.environ.get("MODES", "default,deterministic,sdpa=flash,sdpa=efficient,sdpa=cudnn,sdpa=math,eager").split(",")
 
 
-def build() -> tuple[GRPOTrainer, object]:
+def build() -> GRPOTrainer:
     cfg = get_preset("default")
     cfg.model.dtype = os.environ.get("DTYPE", cfg.model.dtype)  # float32 as shipped; bfloat16 as a real model trains
     torch.manual_seed(cfg.grpo.seed)
     records, _ = load_task(cfg.task)
-    model, tokenizer, _ = load_model(cfg.model.name, cfg.model.dtype, recipe=cfg.recipe, device=os.environ.get("DEVICE", "cuda"))
+    device = os.environ.get("DEVICE", "cuda")
+    model, tokenizer, _ = load_model(cfg.model.name, cfg.model.dtype, recipe=cfg.recipe, device=device)
     trainer = GRPOTrainer(model, cfg.task.reward_funcs, cfg.grpo, records, tokenizer=tokenizer, recipe=cfg.recipe,
                           system_prompt=cfg.task.system_prompt)
     for _ in range(3):  # away from the initial weights, as a run is by step 2
         trainer.train_step()
-    return trainer, cfg
+    return trainer
 
 
 def draw(trainer: GRPOTrainer, seed: int):
@@ -125,7 +130,7 @@ def run_mode(trainer: GRPOTrainer, batch, mode: str) -> dict:
 def main() -> None:
     if os.environ.get("CUBLAS_WORKSPACE_CONFIG") is None:
         raise SystemExit("set CUBLAS_WORKSPACE_CONFIG=:4096:8 before the process starts (the module docstring)")
-    trainer, _ = build()
+    trainer = build()
     batch = draw(trainer, seed=777)
     gen = torch.Generator().manual_seed(0)
     batch.advantages = torch.randn(batch.advantages.shape, generator=gen)

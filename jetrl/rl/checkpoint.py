@@ -18,9 +18,10 @@ Exact resume: the trainer derives every random choice (data order, sampling seed
 ``(seed, step)`` and keeps master weights and optimizer state in full precision, so loading
 a checkpoint and continuing reproduces an uninterrupted run bit for bit on the same machine
 (tests/test_trainer.py kills a run with SIGKILL and resumes it; it passes on CPU and on an H200).
-On the GPU that rests on two facts measured there (bench/probe_determinism.py, the tiny model
-under `jet` and `bf16`): two uninterrupted runs are bit-identical, and every FP8 weight cache
-follows the optimizer. The latter failed until the trainer tracked its fused AdamW,
+On the GPU that rests on two facts measured there: two uninterrupted runs are bit-identical --
+with `jetrl train`'s default ``deterministic=true`` (jetrl/run/determinism.py: without it the
+embedded default's runs parted ways within 2-19 steps, docs/benchmarks.md runs FM-FU) -- and every
+FP8 weight cache follows the optimizer. The latter failed until the trainer tracked its fused AdamW,
 which writes parameters without bumping their versions (jetrl/fp8/weight_cache.py): the
 uninterrupted run kept the first step's FP8 codes while the resumed one quantized the loaded weights.
 """
