@@ -24,12 +24,12 @@ to flash, cuDNN or math alike).
 What it leaves off: torch's deterministic mode also fills every new ``torch.empty`` tensor with NaN
 (``torch.utils.deterministic.fill_uninitialized_memory``), one extra kernel per allocation, so that a kernel reading
 memory it never wrote reads the same thing each run. That fill was the whole cost: with it the 8B training phase
-(bench (f)) took 10% longer under ``jet`` and 3% under ``bf16``, Qwen3-1.7B's 10% and 5% (runs FR, FS); without it
--0.2% / +0.5% and +1.9% / 0%, within the noise, and one 8B RL step (bench (g), run FT) +0.5% under ``bf16``,
-+0.5-0.7% under ``jet``, +1.9% under ``jet_kv``. jetrl's kernels are written to read only what they wrote; two
-60-step runs of the embedded default without the fill were still bit-identical (run FS; a kernel reading stale memory
-would have shown as a difference), so the fill is off for the run. At that cost the setting is on by default;
-``deterministic=false`` lets torch pick its nondeterministic kernels.
+(bench (f)) took 8-10% longer under ``jet`` and 3% under ``bf16``, Qwen3-1.7B's 10-15% and 5-7% (runs FR, FS);
+without it -0.2% / +0.5% and +1.9% / 0% (run FS), within the noise, and one 8B RL step (bench (g), run FT) +0.5%
+under ``bf16``, +0.5-0.7% under ``jet``, +1.9% under ``jet_kv``. jetrl's kernels are written to read only what they
+wrote; two 60-step runs of the embedded default without the fill were still bit-identical (run FS; a kernel reading
+stale memory would have shown as a difference), so the fill is off for the run. At that cost the setting is on by
+default; ``deterministic=false`` lets torch pick its nondeterministic kernels.
 """
 
 from __future__ import annotations
