@@ -97,7 +97,8 @@ def main() -> None:
         for name, (c, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]:
             print(f"      {ms:8.2f} ms {c:5d}x  {name}")
         gaps = _idle_gaps(ev)
-        print(f"   idle gaps over 20 us: {len(gaps)}, {sum(g for g, *_ in gaps) / 1e3:.1f} ms; the longest, after -> before:")
+        idle_ms = sum(g for g, *_ in gaps) / 1e3
+        print(f"   idle gaps over 20 us: {len(gaps)}, {idle_ms:.1f} ms; the longest, after -> before:")
         for gap, before, after in gaps[:12]:
             print(f"      {gap / 1e3:8.2f} ms  {before[:60]} -> {after[:60]}")
         host = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:15]

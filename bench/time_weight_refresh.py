@@ -4,9 +4,9 @@ What it times, per size (Qwen3 layer shapes, ``jet``, one process): a model whos
 training (jetrl/rl/train_graphs.py; one micro-batch of 2 x 256 tokens captured), then, after each simulated optimizer
 step (every decoder weight written in place, as AdamW does), everything that brings the FP8 buffers the graphs read
 up to date before the next replay: ``refresh_weight_caches`` plus the next replay's rereads (the transposed copies)
-when eager, ``WeightRefresh.refresh`` plus the same (now empty) check when graphed, as the trainer runs them. Wall time from a
-synchronized start to a synchronized end, median of two blocks of ``REPS`` per arm (alternated; each block's first
-call, a capture for the graph, left out); and whether the graphed buffers hold the eager bits.
+when eager, ``WeightRefresh.refresh`` plus the same (now empty) check when graphed, as the trainer runs them. Wall
+time from a synchronized start to a synchronized end, median of two blocks of ``REPS`` per arm (alternated; each
+block's first call, a capture for the graph, left out); and whether the graphed buffers hold the eager bits.
 
     SIZES=0.6b,1.7b,8b REPS=20 PYTHONPATH=. OUT=$OUT python3 bench/time_weight_refresh.py
 """

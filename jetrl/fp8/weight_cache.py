@@ -63,7 +63,7 @@ _deferred = _Deferred()
 
 
 class _Reads:  # not thread-local: autograd runs a CUDA backward (whose W^T reads count) on a thread of its own
-    log: dict[tuple[int, str], tuple[object, Callable[[], Float8Blocks], Float8Blocks]] | None = None
+    log: dict[tuple[int, str], WeightRead] | None = None  # recorded_weight_reads
 
 
 _reads = _Reads()

@@ -26,13 +26,12 @@ What a replay cannot do, and how this file covers it:
   host logic refreshes lazily -- and no host logic runs on a replay. Capture records every FP8 buffer read
   (:func:`~jetrl.fp8.weight_cache.recorded_weight_reads`); before a replay, if any parameter's version, address or
   identity, or any of the decoder's caches (its ``epoch``: a prime, an eager re-quantization, a re-pointing; another
-  model's caches do not count), changed since the last look, every one of
-  those buffers and the stacks are brought up to date for the weights' current version, in place. (After an optimizer
-  step the trainer's refresh has usually done it already, from a CUDA graph of its own, and says so through
-  :meth:`TrainingGraphs.assume_current`: then that check and its rereads are skipped; jetrl/fp8/refresh_graph.py.)
-  The other BF16 parameters are read where they are, as the optimizer writes them in place. If a buffer or a
-  parameter moved to a new address, a parameter was replaced, or the set of trained parameters changed, the graphs
-  are dropped and captured again.
+  model's caches do not count), changed since the last look, every one of those buffers and the stacks are brought
+  up to date for the weights' current version, in place. (After an optimizer step the trainer's refresh has usually
+  done it already, from a CUDA graph of its own, and says so through :meth:`TrainingGraphs.assume_current`: then that
+  check and its rereads are skipped; jetrl/fp8/refresh_graph.py.) The other BF16 parameters are read where they are,
+  as the optimizer writes them in place. If a buffer or a parameter moved to a new address, a parameter was replaced,
+  or the set of trained parameters changed, the graphs are dropped and captured again.
 * **Gradients.** The backward graph adds into the ``.grad`` tensors that existed at capture. Just before each
   backward replay, a parameter whose ``.grad`` is None (``zero_grad(set_to_none=True)``) gets that tensor back,
   zeroed, and one whose ``.grad`` was replaced (same shape and dtype) has it copied in. So zeroing, clipping and the
@@ -66,9 +65,9 @@ from torch import Tensor, nn
 
 from jetrl.engine.cuda_graph import capturing, warm_up
 from jetrl.exact import exact_active
+from jetrl.fp8.convert import float8_modules
 from jetrl.fp8.linear import clear_shared_input
 from jetrl.fp8.recipe import current_phase
-from jetrl.fp8.convert import float8_modules
 from jetrl.fp8.weight_cache import recorded_weight_reads
 from jetrl.models.stacked_projections import refresh_stacked_projections
 
