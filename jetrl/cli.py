@@ -11,10 +11,14 @@ import argparse
 import contextlib
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from jetrl.bench.cli import add_arguments as add_bench_arguments
 from jetrl.exact import exact_from_env, use_exact
 from jetrl.fp8.recipe import RECIPE_NAMES
+
+if TYPE_CHECKING:
+    from jetrl.run.config import RunConfig
 
 RECIPE_HELP = ("precision recipe: bf16 | fp8_rollout (BF16 train, FP8 linears in rollout; off-policy) | jet (FP8 "
                "linears in train and rollout) | jet_kv (jet + FP8 KV cache, the trainer sees the same FP8 K/V) | "
@@ -36,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     _config_args(train)
     train.add_argument("--run-dir", default=None, help="output directory (default runs/<preset>-<recipe>-<time>)")
     train.add_argument("--resume", action="store_true", help="continue --run-dir from its latest checkpoint")
+    train.add_argument("--help-config", action="store_true",
+                       help="print every config key with its value under the given preset, YAML and overrides, "
+                            "and what it means; then exit without running")
 
     ev = sub.add_parser("eval", help="held-out pass@1 / pass@k of a model or a run")
     _config_args(ev)
@@ -110,6 +117,8 @@ def _resolve(args: argparse.Namespace):
 def _train(args: argparse.Namespace) -> int:
     from jetrl.run.train import load_run_config, run_training
 
+    if args.help_config:
+        return _help_config(load_run_config(args.run_dir) if args.resume and args.run_dir else _resolve(args))
     if args.resume:
         if args.run_dir is None:
             raise ValueError("--resume needs --run-dir RUN_DIR (the run to continue)")
@@ -124,10 +133,27 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _help_config(cfg: RunConfig) -> int:
+    """``jetrl train --help-config``: one line per key, ``key = value`` then its help, in the YAML's nesting order."""
+    from jetrl.run.config import describe
+
+    rows = [(f"{key} = {json.dumps(value)}", text) for key, value, text in describe(cfg)]  # YAML scalars
+    width = max(len(line) for line, _ in rows)
+    print("# every key takes a dotted override (key=value) or the same nesting in --config YAML")
+    for line, text in rows:
+        print(f"{line:<{width}}  # {text}")
+    return 0
+
+
 def _eval(args: argparse.Namespace) -> int:
     from jetrl.run.evaluate import evaluate_config
     from jetrl.run.train import load_run_config
 
+    if args.run and (args.preset or args.config or args.overrides or args.recipe):
+        raise ValueError("--run evaluates with the config that run was trained with; drop --preset, --config, "
+                         "--recipe and the overrides (or evaluate without --run: --model and a config)")
+    if args.num_samples is not None and args.num_samples < 1:
+        raise ValueError(f"--num-samples {args.num_samples} must be >= 1")
     cfg = load_run_config(args.run) if args.run else _resolve(args)
     model = args.model or (args.run if args.run else cfg.model.name)
     result = evaluate_config(cfg, model, num_samples=args.num_samples, temperature=args.temperature)

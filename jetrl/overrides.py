@@ -1,9 +1,14 @@
 """How a fast path's backend is chosen, one mechanism for all of them: the quantizer
 (``JETRL_QUANT_BACKEND``), the FP8 GEMM (``JETRL_GEMM_BACKEND``, ``jetrl.fp8.override_backend``), the
-decode attention (``JETRL_DECODE_ATTENTION``, ``use_decode_attention_backend``) and the fused
-RMSNorm/RoPE/SwiGLU and chosen-token logprob kernels (``JETRL_FUSED_OPS``, ``use_fused_ops``); and
-switches that are not backends: the BF16 sibling stacks (``JETRL_BF16_STACKS``, models/stacked_projections.py) and
-programmatic dependent launch of the decode GEMMs (``JETRL_PDL``, ``use_pdl``, fp8/kernels/pdl.py).
+decode attention (``JETRL_DECODE_ATTENTION``, ``use_decode_attention_backend``), the fused
+RMSNorm/RoPE/SwiGLU and chosen-token logprob kernels (``JETRL_FUSED_OPS``, ``use_fused_ops``) and the fused
+sampler (``JETRL_FUSED_SAMPLER``, ``use_fused_sampler``); and switches that are not backends: exact mode
+(``JETRL_EXACT``, jetrl/exact.py), the BF16 sibling stacks (``JETRL_BF16_STACKS``, models/stacked_projections.py),
+sibling projections trained as one Function (``JETRL_STACKED_TRAINING``, fp8/projection_group.py), the producers'
+FP8 epilogues (``JETRL_PRODUCER_QUANT``, fp8/producer_quant.py), the weight refresh's CUDA graph
+(``JETRL_REFRESH_GRAPH``, fp8/refresh_graph.py), programmatic dependent launch of the decode GEMMs (``JETRL_PDL``,
+``use_pdl``, fp8/kernels/pdl.py) and the quantizers' software rounding (``JETRL_QUANT_EXPLICIT_ROUND``,
+fp8/kernels/quant_triton.py). The README's "Environment switches" lists them with their values.
 
 * :func:`env_choice` reads a backend's environment variable and rejects a value it does not know
   with one actionable message, naming the variable and the choices.

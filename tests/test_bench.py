@@ -121,9 +121,14 @@ def test_deterministic_runs_every_section_under_it_and_says_so(flag, monkeypatch
     assert ("--deterministic" in json.loads((tmp_path / "bench.json").read_text())["meta"]["command"]) == bool(flag)
 
 
-def test_bad_sections_is_a_user_error(capsys):
+def test_bad_sections_is_a_user_error(capsys, tmp_path):
     assert main(["bench", "--smoke", "--sections", "a,x"]) == 2
     assert "--sections" in capsys.readouterr().err
+    assert main(["bench", "--smoke", "--sections", "a", "--device", "foo"]) == 2
+    assert "--device 'foo' is not a device" in capsys.readouterr().err
+    (tmp_path / "f").write_text("")
+    assert main(["bench", "--smoke", "--sections", "a", "--out", str(tmp_path / "f")]) == 2  # before any section runs
+    assert "is a file" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, words", [(["--micro-batch", "3"], "--micro-batch=3 must divide"),

@@ -45,6 +45,10 @@ def test_synthetic_errors():
         synthetic_split(60, 10, seed=0, max_operand=10)
     with pytest.raises(ValueError, match="subset of"):
         synthetic_split(1, 1, seed=0, ops=("/",))
+    # a repeated operator would count its problems twice: 9000 + 1000 "fit" 5050 distinct sums, and held-out
+    # problems would land in training
+    with pytest.raises(ValueError, match="repeat an operator; list each once"):
+        synthetic_split(9000, 1000, seed=0, ops=("+", "+"))
 
 
 # ---------------------------------------------------------------- reasoning-gym
@@ -136,6 +140,9 @@ def test_dataset_errors(tmp_path, name, content, match):
 def test_missing_and_empty_parquet(tmp_path):
     with pytest.raises(DatasetError, match="dataset file not found: .*nope.jsonl"):
         load_records(tmp_path / "nope.jsonl")
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "caf\xe9", "answer": "1"}\n')
+    with pytest.raises(DatasetError, match=r"latin1\.jsonl is not UTF-8 text .*write the dataset as UTF-8"):
+        load_records(tmp_path / "latin1.jsonl")
     import pyarrow as pa
     import pyarrow.parquet as pq
     pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "answer": pa.array([], pa.string())}),

@@ -366,3 +366,10 @@ def test_engine_input_errors():
         engine.generate(["hello"], SamplingParams())
     with pytest.raises(ValueError, match="n=3 .*max_slots=2"):
         engine.generate([[1]], SamplingParams(n=3))
+    # past the model's context RoPE would run on without an error and the tokens would be garbage
+    model.config.max_position_embeddings = 12
+    long = Engine(model, max_slots=2, max_len=32)
+    with pytest.raises(ValueError, match=r"prompt 0 has 8 tokens; with up to 6 generated tokens it needs 13 positions, "
+                                         r"more than the model's context of 12"):
+        long.generate([list(range(1, 9))], SamplingParams(max_tokens=6))
+    assert len(long.generate([list(range(1, 9))], SamplingParams(max_tokens=5, ignore_eos=True))[0][0].token_ids) == 5

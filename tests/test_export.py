@@ -404,6 +404,12 @@ def test_export_checkpoint_from_run_dir(aligned, tmp_path):
     assert Path(summary["source"]) == Path(d).resolve() and summary["fp8_layers"] == 14
     with pytest.raises(CheckpointError, match="is the source checkpoint"):
         export_checkpoint(d, d, "bf16")
+    busy = tmp_path / "busy"  # a training checkpoint, a run dir, an earlier export: never overwritten
+    busy.mkdir()
+    (busy / "model.safetensors").write_text("not ours")
+    with pytest.raises(CheckpointError, match="is not empty; export into a new or empty directory"):
+        export_checkpoint(d, busy, "bf16")
+    assert (busy / "model.safetensors").read_text() == "not ours"
 
 
 # ------------------------------------------------------------------------------------------ CLI

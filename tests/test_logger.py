@@ -83,3 +83,15 @@ def test_wandb_project_needs_the_package_at_config_time(monkeypatch, fake_wandb,
         RunConfig(wandb_project="proj")
     with pytest.raises(RuntimeError, match="needs the wandb package"):  # the logger alone, without a config
         MetricsLogger(tmp_path, total_steps=1, tensorboard=False, wandb_project="proj", progress=False)
+
+
+def test_resume_drops_a_last_line_cut_short_and_names_a_damaged_one(tmp_path):
+    """A run killed while writing metrics.jsonl leaves a partial last line: resume drops it (the checkpoint decides
+    where the run continues); a damaged line before the last is an error naming the file and line."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "reward": 0.5}\n{"step": 2, "reward": 0.6}\n{"step": 3, "rew')
+    MetricsLogger(tmp_path, total_steps=5, resume_step=2, tensorboard=False, progress=False).close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2 is not a metrics line .*delete or repair that line"):
+        MetricsLogger(tmp_path, total_steps=5, resume_step=2, tensorboard=False, progress=False)

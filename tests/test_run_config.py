@@ -58,6 +58,16 @@ def test_task_options_reach_the_reasoning_gym_dataset(tmp_path):
         ("", ["task.options=[1]"], "task.options=\\[1\\] has the wrong type"),
         ("", ["task.source=reasoning_gym", "task.options.seed=3"], "task.options.seed is set by jetrl"),
         ("- a\n- b\n", [], "must hold a mapping"),
+        ("", ["grpo.num_generations=1"], "num_generations=1 must be >= 2: an advantage is a reward minus"),
+        ("", ["grpo.adam_beta1=2"], "grpo.adam_beta1=2.0 must be in \\[0, 1\\)"),
+        ("", ["grpo.weight_decay=-1"], "grpo.weight_decay=-1.0 must be >= 0"),
+        ("", ["grpo.learning_rate=.inf"], "grpo.learning_rate=inf must be > 0 and finite"),
+        ("", ["grpo.temperature=.nan"], "grpo.temperature=nan must be > 0 and finite"),
+        ("", ["grpo.reward_weights=[a]"], "grpo.reward_weights=\\['a'\\] must be None or a list of finite numbers"),
+        ("", ["grpo.reward_weights=[.nan]"], "must be None or a list of finite numbers"),
+        ("", ["eval.temperature=.nan"], "eval.temperature=nan >= 0 and finite"),
+        ("", ["threads=0"], "threads=0 must be >= 1"),
+        ("", ["device=gpu"], "device='gpu' must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
     ],
 )
 def test_invalid_config_is_one_actionable_error(tmp_path, yaml_text, overrides, match):
@@ -82,6 +92,8 @@ def test_unknown_preset_and_help():
         (["train", "--resume"], "--resume needs --run-dir"),
         (["train", "task.source=file", "task.path=/no/such.jsonl"], "dataset file not found: /no/such.jsonl"),
         (["generate", "--model", "/no/such/dir", "--prompt", "hi"], "neither 'tiny', 'smollm2' nor an existing"),
+        (["eval", "--run", "/no/such/run", "task.num_eval=2"], "--run evaluates with the config that run was"),
+        (["eval", "--preset", "tiny", "--num-samples", "0"], "--num-samples 0 must be >= 1"),
     ],
 )
 def test_cli_errors_are_one_line(argv, message):
@@ -89,6 +101,55 @@ def test_cli_errors_are_one_line(argv, message):
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_help_config_prints_every_key_with_its_resolved_value_and_runs_nothing(tmp_path, monkeypatch, capsys):
+    """``jetrl train --help-config`` (promised by GRPOConfig's docstring): each leaf key once, dotted, with the value
+    the preset, YAML and overrides resolve to (as a YAML scalar) and its help; no run directory is made."""
+    import yaml
+
+    from jetrl.cli import main
+    from jetrl.run.config import describe
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--preset", "tiny", "--help-config", "grpo.max_steps=3", "task.system_prompt=hi"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("#")]
+    keys = [key for key, _, _ in describe(get_preset("tiny"))]
+    assert [line.split(" = ")[0] for line in lines] == keys and "grpo.learning_rate" in keys and "eval.every" in keys
+    values = {line.split(" = ")[0]: line.split(" = ", 1)[1].rsplit("  # ", 1) for line in lines}
+    assert yaml.safe_load(values["grpo.max_steps"][0]) == 3 and yaml.safe_load(values["task.system_prompt"][0]) == "hi"
+    assert yaml.safe_load(values["run_dir"][0]) is None and yaml.safe_load(values["deterministic"][0]) is True
+    assert values["grpo.num_generations"][1].startswith("completions per prompt")
+    assert all(text.strip() for _, text in values.values())  # every field has its help
+    assert not list(tmp_path.iterdir())  # nothing ran
+
+
+def test_a_run_dir_is_never_overwritten_and_a_copied_run_resumes_where_it_is(tmp_path):
+    """A new run refuses a directory that already holds one (it would delete that run's metrics and mix checkpoints);
+    ``--resume`` continues the run in the directory given, also after the run was copied there; a damaged
+    config.yaml is one line naming the file."""
+    from jetrl.run.train import load_run_config
+
+    old = tmp_path / "old"
+    old.mkdir()
+    cfg = get_preset("tiny")
+    cfg.run_dir = str(tmp_path / "elsewhere")
+    (old / "config.yaml").write_text(cfg.to_yaml())
+    (old / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert load_run_config(old).run_dir == str(old)  # not the directory the run was started in
+    proc = subprocess.run([sys.executable, "-m", "jetrl", "train", "--preset", "tiny", "--run-dir", str(old)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 2 and "already holds a run (config.yaml, metrics.jsonl)" in proc.stderr
+    assert "--resume" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert (old / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
+    (old / "config.yaml").write_text("grpo: [1, 2\n")
+    with pytest.raises(ValueError, match="config.yaml is not valid YAML"):
+        load_run_config(old)
+    file_dir = tmp_path / "a_file"
+    file_dir.write_text("x")
+    proc = subprocess.run([sys.executable, "-m", "jetrl", "train", "--preset", "tiny", "--run-dir", str(file_dir)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 2 and "is a file" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_empty_dataset_file_is_one_line(tmp_path):

@@ -131,6 +131,9 @@ def test_reward_function_that_raises_names_itself():
 def test_prompt_longer_than_context_fails_at_start():
     with pytest.raises(PromptTooLongError, match="longer than max_prompt_length=8"):
         _trainer(max_prompt_length=8)
+    context = tiny_model_config().max_position_embeddings
+    with pytest.raises(ValueError, match=rf"max_completion_length=\d+ exceed the model's context of {context}"):
+        _trainer(max_prompt_length=context)
 
 
 # ----------------------------------------------------------------------------- the CLI job
@@ -254,3 +257,25 @@ def test_generate_and_eval_commands(random_checkpoint, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["num_problems"] == 6 and 0 <= result["pass@1"] <= result["pass@3"] <= 1
+
+
+def test_a_damaged_checkpoint_is_one_error_naming_the_older_ones(tmp_path):
+    """A truncated trainer_state.pt or model.safetensors (a disk fault, a copy cut short): an actionable ValueError
+    naming the file and the older checkpoints to resume from, not a traceback from torch or safetensors."""
+    from jetrl.models import load_pretrained
+    from jetrl.models.loader import CheckpointError
+    from jetrl.rl.checkpoint import STATE_FILE, load_trainer_state, save_checkpoint
+
+    torch.manual_seed(0)
+    model = CausalLM(tiny_model_config())
+    optimizer = torch.optim.AdamW(model.parameters())
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, model, None, optimizer, {}, keep_last=2)
+    last = tmp_path / "checkpoints" / "step_000002"
+    (last / STATE_FILE).write_bytes((last / STATE_FILE).read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"step_000002 cannot be read .*writing its name \(step_000001\) into"):
+        load_trainer_state(last, model, optimizer)
+    weights = last / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:50])
+    with pytest.raises(CheckpointError, match="model.safetensors cannot be read .* damaged or truncated"):
+        load_pretrained(last)

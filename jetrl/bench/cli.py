@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from pathlib import Path
 
 SECTION_KEYS = "abcdefg"
 
@@ -74,7 +75,12 @@ def run(args: argparse.Namespace) -> int:
     from jetrl.run.determinism import deterministic_algorithms
 
     sections = parse_sections(args.sections)
-    device = torch.device(args.device or ("cpu" if args.smoke else "cuda"))
+    try:
+        device = torch.device(args.device or ("cpu" if args.smoke else "cuda"))
+    except RuntimeError as err:
+        raise ValueError(f"--device {args.device!r} is not a device; use cpu, cuda or cuda:N") from err
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out} is a file; pass a directory for bench.json")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("jetrl bench measures a CUDA GPU and none is available; run `jetrl bench --smoke` on CPU")
     if device.type != "cuda" and not args.smoke:

@@ -1,4 +1,5 @@
-"""Sections (f) and (g): the training phase and one end-to-end RL step, ``jet`` vs ``bf16``.
+"""Sections (f) and (g): the training phase (``jet`` vs ``bf16``) and one end-to-end RL step (``jet`` and ``jet_kv``
+vs ``bf16``).
 
 Both run :class:`~jetrl.rl.GRPOTrainer` itself, so they time the code a real run executes,
 on an 8B-shaped random Qwen3 with ``--train-layers`` layers (default 36, Qwen3-8B itself: hidden
@@ -9,11 +10,12 @@ its AdamW moments (BF16, as the parameters) and micro-batches of 8 x 1152 tokens
 embedding then weigh more than in the real model, so their ratios come out lower (8 layers: (f)
 1.18x against 1.26x at 36, docs/benchmarks.md).
 
-The same model object serves both recipes: ``bf16`` first (no conversion), then the trainer
-for ``jet`` converts it in place (shared parameters). Each trainer gets a fresh AdamW.
-Old logprobs are *recomputed* by a trainer forward under both recipes (``old_logprobs=
-"recompute"``), so both do the same work; ``jet``'s default would reuse the rollout's logprobs
-(its rollout graph is the training graph) and skip that pass, which would favour ``jet`` more.
+The same model object serves every recipe: ``bf16`` first (no conversion), then the trainer
+for an FP8 recipe converts it in place (shared parameters). Each trainer gets a fresh AdamW.
+In (f), and in (g)'s like-for-like row, old logprobs are *recomputed* by a trainer forward under both
+recipes (``old_logprobs="recompute"``), so both do the same work; (g) then also times each FP8 recipe
+as shipped (``RL_STEP_CONFIGS``): ``jet`` and ``jet_kv`` with ``old_logprobs="auto"``, which reuses the
+rollout's logprobs (their rollout graph is the training graph) and skips that pass.
 
 (f) ``training_phase``: one batch of ``train_batch`` sequences of prompt + completion tokens
     (random, full length): the old-logprob forward (no grad) + one update (micro-batches of
@@ -28,8 +30,9 @@ Old logprobs are *recomputed* by a trainer forward under both recipes (``old_log
 (g) ``rl_step``: ``GRPOTrainer.train_step()`` -- rollout with the engine (``rl_prompts`` x
     ``rl_generations`` samples of ``rl_completion`` tokens, temperature 1, no EOS), the synthetic
     parity reward, old logprobs, the update. One warm-up step (graph capture, compilation),
-    then ``rl_steps`` timed steps (median). Check: full-length completions, update applied.
-    Target: >= 1.25x.
+    then ``rl_steps`` timed steps (median), for ``bf16`` and ``jet`` recomputing old logprobs, then ``jet``
+    and ``jet_kv`` as shipped. Check: full-length completions, update applied. Targets: ``jet`` >= 1.25x
+    (issue 5), ``jet_kv`` >= 1.5x (issue 6).
 """
 
 from __future__ import annotations

@@ -74,7 +74,11 @@ def normalize_record(raw: Any, *, where: str, default_task: str) -> Record:
 
 
 def _read_json(path: Path) -> list[tuple[str, Any]]:
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise DatasetError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); write the dataset as UTF-8 "
+                         "JSONL") from err
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)

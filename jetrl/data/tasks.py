@@ -66,6 +66,8 @@ def synthetic_split(num_train: int, num_eval: int, seed: int, *, ops: Sequence[s
     unknown = [op for op in ops if op not in SYNTHETIC_OPS]
     if unknown or not ops:
         raise ValueError(f"synthetic ops must be a non-empty subset of {list(SYNTHETIC_OPS)}, got {list(ops)}")
+    if len(set(ops)) != len(ops):  # a repeat would count its problems twice and let held-out ones into training
+        raise ValueError(f"synthetic ops {list(ops)} repeat an operator; list each once (task.name='+*', not '++')")
     if min_operand > max_operand:
         raise ValueError(f"min_operand={min_operand} > max_operand={max_operand}")
     if num_train < 0 or num_eval < 0:
@@ -73,7 +75,9 @@ def synthetic_split(num_train: int, num_eval: int, seed: int, *, ops: Sequence[s
     space = _problem_space(ops, min_operand, max_operand)
     if num_train + num_eval > len(space):
         raise ValueError(f"asked for {num_train} + {num_eval} synthetic problems but ops={list(ops)} with operands "
-                         f"{min_operand}..{max_operand} give only {len(space)} distinct ones: raise max_operand")
+                         f"{min_operand}..{max_operand} give only {len(space)} distinct ones: ask for fewer "
+                         "(task.num_train + task.num_eval), add operators (task.name, e.g. '+*') or widen the "
+                         "operand range (max_operand)")
     rng = random.Random(seed)
     picked = rng.sample(space, num_train + num_eval)
     records = []

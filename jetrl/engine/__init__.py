@@ -6,8 +6,9 @@ so the rollout samples from the trainer's forward graph with no weight transfer 
 
 Files: ``sampling.py`` (SamplingParams, processed logprobs, counter-based seeded sampling),
 ``kv_cache.py`` (static per-slot cache), ``scheduler.py`` (slots, groups, finish rules),
-``cuda_graph.py`` (decode capture/replay), ``engine.py`` (the loop), ``kernels/`` (Triton: decode
-attention, K/V store, fused sampler; each with its PyTorch spec).
+``cuda_graph.py`` (decode capture/replay), ``decode_attention.py`` (attention over the cache's valid
+positions, BF16 or FP8), ``engine.py`` (the loop), ``scoring.py`` (teacher-forced logprobs through the
+rollout's path), ``kernels/`` (Triton: decode attention, K/V store, fused sampler; each with its PyTorch spec).
 """
 
 from jetrl.engine.engine import Completion, Engine, EngineStats

@@ -210,6 +210,7 @@ class Engine:
         completion whatever else is in the batch (up to GEMM batch invariance, see tests).
         """
         prompt_ids = self._encode(prompts)
+        self._check_context(prompt_ids, params.max_tokens)
         if seeds is not None and len(seeds) != len(prompt_ids):
             raise ValueError(f"got {len(seeds)} seeds for {len(prompt_ids)} prompts; pass one per prompt or None")
         if params.stop and self.tokenizer is None:
@@ -446,6 +447,18 @@ class Engine:
                 raise ValueError(f"prompt {i} holds token ids outside [0, {vocab}): min {min(ids)}, max {max(ids)}")
             out.append(ids)
         return out
+
+    def _check_context(self, prompt_ids: list[list[int]], max_tokens: int) -> None:
+        """Every position a sequence can reach (its prompt, then each generated token but the last fed back) must be
+        inside the model's context: RoPE would run past it without an error, and the tokens would be garbage."""
+        context = self.config.max_position_embeddings
+        for i, ids in enumerate(prompt_ids):
+            positions = len(ids) + min(max_tokens, self.max_len - len(ids)) - 1
+            if positions > context:
+                raise ValueError(
+                    f"prompt {i} has {len(ids)} tokens; with up to {positions - len(ids) + 1} generated tokens it "
+                    f"needs {positions} positions, more than the model's context of {context} "
+                    "(max_position_embeddings): shorten the prompt or generate fewer tokens")
 
     def _stop_token_ids(self, params: SamplingParams) -> set[int]:
         ids = set(params.stop_token_ids)

@@ -29,8 +29,9 @@ overridable (``override_backend``, or the ``JETRL_GEMM_BACKEND`` environment var
 * ``triton``: the small-M split-K kernel (kernels/gemm_triton.py) for decode-sized GEMMs
   against a 128x128-block weight, where cuBLAS's fixed per-call cost dominates.
 * ``gluon``: the warp-specialized Hopper kernel (kernels/gemm_gluon.py: TMA producer warp, two
-  FP8 ``wgmma`` groups in flight per consumer warpgroup) for GEMMs whose output tiles fit in one
-  wave of the GPU's SMs, where cuBLAS's 128 x 128 tiles leave SMs idle. K a multiple of 256.
+  FP8 ``wgmma`` groups in flight per consumer warpgroup), K a multiple of 256: small weights at M <= 16,
+  most layers from 17 to 64 rows, and above 64 rows where its output tiles fit in one wave of the GPU's
+  SMs, where cuBLAS's 128 x 128 tiles leave SMs idle (:func:`choose_backend` has the rule).
 
 Exact mode (jetrl/exact.py) overrides all of them for forward GEMMs on CUDA, so a row's sum runs in the same order
 in a decode step and in the trainer's forward (:func:`_gemm_exact`): the Gluon kernel where the *layer* allows it (an

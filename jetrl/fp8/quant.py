@@ -3,9 +3,10 @@
 Why one function: Jet-RL is on-policy only if the rollout samples from exactly the
 quantized graph the trainer differentiates. Codebases that quantize "the same way" with
 two implementations disagree in the last bit (divide vs multiply-by-reciprocal, eps
-guards, rounding); see anchors.md §12. So the trainer's forward, the rollout engine and
-the FP8 export all call this function, and a test checks their codes and scales with
-``torch.equal`` on uint8 views.
+guards, rounding: verl's weight cast multiplies by 1/s, vLLM's activation quantizer divides by s,
+torchao scales by 448/amax, DeepGEMM's reference and NeMo-RL guard amax differently). So the
+trainer's forward, the rollout engine and the FP8 export all call this function, and a test
+checks their codes and scales with ``torch.equal`` on uint8 views.
 
 Format: E4M3 (``torch.float8_e4m3fn``, max 448, no inf, NaN = S.1111.111), FP32 scales.
 

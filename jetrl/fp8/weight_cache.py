@@ -4,7 +4,7 @@ Every reader of an FP8 weight (the training forward, the rollout engine, the FP8
 goes through one :class:`WeightCache` per linear layer, so they all see the very same codes
 and scales, and a weight is quantized once per optimizer step instead of once per forward.
 
-Key: ``(param._version, param.data_ptr(), spec)``. PyTorch bumps ``_version`` on every
+Key: ``(param._version, param.data_ptr(), param.device, spec)``. PyTorch bumps ``_version`` on every
 in-place write through the parameter by an ordinary op (``load_state_dict``, ``copy_`` under
 ``no_grad``, the for-loop and foreach optimizers), so a stale entry cannot be read after such a
 write. **Fused optimizers do not bump it**: ``torch.optim.AdamW(fused=True)`` writes the

@@ -181,6 +181,9 @@ def export_checkpoint(
         raise CheckpointError(f"--out {out_dir} is the source checkpoint; export into another directory")
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"--out {out_dir} is a file; pass a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()):  # a training checkpoint, a run dir, an earlier export: not ours
+        raise CheckpointError(f"--out {out_dir} is not empty; export into a new or empty directory (delete {out_dir} "
+                              "first to replace what it holds)")
     fp8_src = read_fp8_quantization_config(src)
     if recipe is None and fp8_src is not None and fp8_src.get("jetrl_recipe"):
         recipe = fp8_src["jetrl_recipe"]  # re-export with the recipe the codes were made under

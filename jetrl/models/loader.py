@@ -132,7 +132,13 @@ def _weight_files(path: Path) -> dict[str, list[str] | None]:
 
 def _iter_tensors(path: Path, device: str | torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     for fname, names in _weight_files(path).items():
-        with safe_open(str(path / fname), framework="pt", device=str(device)) as f:
+        try:
+            handle = safe_open(str(path / fname), framework="pt", device=str(device))
+        except Exception as err:  # safetensors raises its own error type for a damaged file
+            raise CheckpointError(f"{path / fname} cannot be read ({type(err).__name__}: {err}): the file is "
+                                  "damaged or truncated; write it again (jetrl export, a training checkpoint) or "
+                                  "use another checkpoint") from err
+        with handle as f:
             available = set(f.keys())
             for name in names if names is not None else sorted(available):
                 if name not in available:

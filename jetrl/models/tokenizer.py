@@ -19,7 +19,7 @@ Conventions:
   ``pad_is_eos`` is True (code that masks by ``ids != pad`` must then use attention masks
   instead, or it would mask the EOS the policy has to learn to emit).
 
-transformers is an optional dependency (``pip install 'jetrl[hf]'``); it is imported only
+transformers (a dependency of jetrl, for its tokenizers and chat templates only) is imported only
 when a tokenizer is loaded.
 """
 
@@ -167,7 +167,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     try:
         from transformers import AutoTokenizer
     except ImportError as e:  # pragma: no cover - depends on the install
-        raise TokenizerError("loading a tokenizer needs transformers: pip install 'jetrl[hf]'") from e
+        raise TokenizerError("loading a tokenizer needs transformers, a dependency of jetrl that is missing "
+                             "here: pip install 'transformers>=5.0'") from e
     try:
         hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:

@@ -2,10 +2,12 @@
 
 Pure functions (each file gives its math): ``advantages.py`` (group-normalized advantages),
 ``loss.py`` (PPO-clip with DAPO options, k3 KL), ``correction.py`` (TIS / MIS weights),
-``metrics.py`` (rollout-vs-trainer mismatch under the anchors' names), ``logprobs.py`` and
-``batch.py`` (trainer logprobs of sampled tokens). Orchestration: ``rollout.py`` (generate,
-score, batch), ``trainer.py`` (GRPOTrainer), ``checkpoint.py`` (atomic save, exact resume),
-``logger.py`` (metrics.jsonl, TensorBoard, W&B, progress), ``memory.py`` (out-of-memory advice).
+``metrics.py`` (rollout-vs-trainer mismatch under the names verl and NeMo-RL log), ``logprobs.py``,
+``batch.py`` and ``token_logprobs.py`` + ``kernels/`` (trainer logprobs of sampled tokens; streaming Triton
+kernels on CUDA). Orchestration: ``rollout.py`` (generate, score, batch), ``trainer.py`` (GRPOTrainer),
+``train_graphs.py`` (the decoder layers' training forward+backward replayed from CUDA graphs),
+``checkpoint.py`` (atomic save, exact resume), ``logger.py`` (metrics.jsonl, TensorBoard, W&B, progress),
+``memory.py`` (out-of-memory advice), ``diagnose.py`` (per-layer rollout-vs-trainer comparison).
 ``config.py`` holds GRPOConfig.
 """
 

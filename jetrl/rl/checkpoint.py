@@ -93,10 +93,13 @@ def load_trainer_state(path: str | Path, model: nn.Module, optimizer: torch.opti
     from safetensors.torch import load_file
 
     path = Path(path)
-    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
-    tensors = {}
-    for file in sorted(path.glob("*.safetensors")):
-        tensors.update(load_file(file))
+    try:
+        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+        tensors = {}
+        for file in sorted(path.glob("*.safetensors")):
+            tensors.update(load_file(file))
+    except Exception as err:  # torch, pickle and safetensors each raise their own type for a bad file
+        raise ValueError(_damaged(path, err)) from err
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name not in tensors:
@@ -109,6 +112,14 @@ def load_trainer_state(path: str | Path, model: nn.Module, optimizer: torch.opti
     random.setstate(state["rng"]["python"])
     np.random.set_state(state["rng"]["numpy"])
     return state
+
+
+def _damaged(path: Path, err: Exception) -> str:
+    """The message for a checkpoint that cannot be read: which one, why, and the older ones to resume from instead."""
+    older = sorted(p.name for p in path.parent.glob("step_*") if p.is_dir() and ".tmp-" not in p.name and p != path)
+    hint = (f"resume from an older one by writing its name ({', '.join(older)}) into {path.parent / 'latest'}"
+            if older else "no older checkpoint is kept; start the run again")
+    return f"checkpoint {path} cannot be read ({type(err).__name__}: {str(err).splitlines()[0][:200]}): {hint}"
 
 
 def _atomic_write(path: Path, text: str) -> None:

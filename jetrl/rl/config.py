@@ -13,6 +13,7 @@ Each field is documented once, in its ``help`` metadata (``jetrl train --help-co
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -89,11 +90,18 @@ class GRPOConfig:
                 f"grpo.generation_batch_size={self.generation_batch_size} must be a multiple of "
                 f"grpo.per_device_train_batch_size={self.per_device_train_batch_size}"
             )
-        if self.num_generations < 2 and self.scale_rewards != "none":
-            raise ValueError("grpo.num_generations must be >= 2 for group-normalized advantages (or scale_rewards='none')")
+        if self.num_generations < 2:
+            raise ValueError(f"grpo.num_generations={self.num_generations} must be >= 2: an advantage is a reward "
+                             "minus its group's mean, so a group of one has zero advantage and nothing is learned")
         checks = [
-            (self.learning_rate > 0, "learning_rate", "must be > 0"),
-            (self.temperature > 0, "temperature", "must be > 0 for RL sampling"),
+            (0 < self.learning_rate < math.inf, "learning_rate", "must be > 0 and finite"),
+            (0 < self.temperature < math.inf, "temperature", "must be > 0 and finite for RL sampling"),
+            (0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)"),
+            (0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)"),
+            (0 <= self.weight_decay < math.inf, "weight_decay", "must be >= 0 and finite"),
+            (self.reward_weights is None or all(isinstance(w, (int, float)) and not isinstance(w, bool)
+                                                and math.isfinite(w) for w in self.reward_weights),
+             "reward_weights", "must be None or a list of finite numbers, one per reward function"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
             (self.top_k >= 0, "top_k", "must be >= 0"),
             (0 <= self.epsilon < 1, "epsilon", "must be in [0, 1)"),

@@ -31,8 +31,7 @@ class MetricsLogger:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= resume_step]
-            self.path.write_text("".join(f"{line}\n" for line in kept))
+            self.path.write_text("".join(f"{line}\n" for line in self._kept_lines(resume_step)))
         elif self.path.exists():
             self.path.unlink()
         self.total_steps, self.progress = total_steps, progress
@@ -47,6 +46,25 @@ class MetricsLogger:
                 self.tb = None
         if wandb_project:
             self.wandb = _wandb_run(Path(run_dir), wandb_project, run_name, config, resuming=bool(resume_step))
+
+    def _kept_lines(self, resume_step: int) -> list[str]:
+        """The lines of steps up to the checkpoint's. A last line cut short (the run killed mid-write) is dropped:
+        the checkpoint, not the log, decides where the run continues; a damaged line before it is an error."""
+        lines = self.path.read_text().splitlines()
+        kept = []
+        for number, line in enumerate(lines, 1):
+            if not line:
+                continue
+            try:
+                step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError) as err:
+                if number == len(lines):
+                    break
+                raise ValueError(f"{self.path}:{number} is not a metrics line ({type(err).__name__}: {err}); delete or "
+                                 "repair that line, then resume again") from err
+            if step <= resume_step:
+                kept.append(line)
+        return kept
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **metrics}

@@ -10,7 +10,8 @@
     update        num_iterations epochs of micro-batches: policy_loss (loss.py), gradient
                   accumulation, clipping, a non-finite check, AdamW, then every FP8 weight is
                   quantized once for the new version (refresh_weight_caches; on CUDA replayed
-                  from a CUDA graph, refresh_graph.py); on CUDA the decoder layers'
+                  from a CUDA graph, refresh_graph.py); with grpo.train_cuda_graphs
+                  (on CUDA, by default up to 3.5B parameters) the decoder layers'
                   forward+backward replay from CUDA graphs                      train_graphs.py
 
 This file only orchestrates; the math lives in the pure functions it calls. The recipe's
@@ -66,6 +67,11 @@ class GRPOTrainer:
         if not train_dataset:
             raise ValueError("train_dataset is empty: give at least one record")
         self.args, self.tokenizer = args, tokenizer
+        context = model.config.max_position_embeddings
+        if args.max_prompt_length + args.max_completion_length - 1 > context:  # the last token is never fed back
+            raise ValueError(f"grpo.max_prompt_length={args.max_prompt_length} + grpo.max_completion_length="
+                             f"{args.max_completion_length} exceed the model's context of {context} positions "
+                             "(max_position_embeddings); lower one of them")
         self.recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
         self.policy_report = check_rollout_subgraph(self.recipe)  # raises for an undeclared off-policy flow
         self.model = model if model_recipe(model) is not None else convert_to_float8(model, self.recipe)

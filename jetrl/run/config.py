@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -79,8 +81,9 @@ class EvalConfig:
     every: int = _f(0, "also evaluate every N RL steps (0 = only at the start and the end)")
 
     def __post_init__(self) -> None:
-        if self.num_samples < 1 or self.every < 0 or self.temperature < 0:
-            raise ValueError("eval.num_samples must be >= 1, eval.every >= 0 and eval.temperature >= 0")
+        if self.num_samples < 1 or self.every < 0 or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"eval.num_samples={self.num_samples} must be >= 1, eval.every={self.every} >= 0 and "
+                             f"eval.temperature={self.temperature} >= 0 and finite")
         if self.num_samples > 1 and self.temperature == 0:
             raise ValueError("eval.num_samples > 1 needs eval.temperature > 0 (greedy samples are all the same)")
 
@@ -112,6 +115,10 @@ class RunConfig:
             raise ValueError(f"recipe={self.recipe!r}: choose one of {list(RECIPE_NAMES)}")
         if self.save_steps < 0 or self.keep_last < 1:
             raise ValueError("save_steps must be >= 0 and keep_last >= 1")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads={self.threads} must be >= 1, or null for torch's default")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device={self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
         if self.wandb_project is not None:
             if not self.wandb_project.strip():
                 raise ValueError("wandb_project is empty: name a W&B project, or leave it unset (null)")
@@ -124,6 +131,19 @@ class RunConfig:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def describe(config: Any, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """``(dotted key, value, help)`` of every leaf field of a config dataclass, sections expanded, in field order:
+    what ``jetrl train --help-config`` prints (each field's help is its ``metadata["help"]``, written once)."""
+    rows = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            rows += describe(value, f"{prefix}{f.name}.")
+        else:
+            rows.append((prefix + f.name, value, f.metadata.get("help", "")))
+    return rows
 
 
 def from_dict(cls: type, data: dict[str, Any], path: str = "") -> Any:

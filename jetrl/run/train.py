@@ -38,11 +38,21 @@ from jetrl.run.tasks import load_task
 
 
 def load_run_config(run_dir: str | Path) -> RunConfig:
-    """The config a run was started with (``RUN_DIR/config.yaml``)."""
+    """The config a run was started with (``RUN_DIR/config.yaml``), its ``run_dir`` the directory it was read from:
+    a run copied or moved elsewhere continues where it now is, never in the directory it was started in."""
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} holds no config.yaml: is it a jetrl run directory?")
-    return from_dict(RunConfig, yaml.safe_load(path.read_text()))
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path} is not valid YAML ({str(err).splitlines()[0]}...); restore it from a copy of the "
+                         "run, or start a new run") from err
+    if not isinstance(data, dict):
+        raise TypeError(f"{path} must hold the run's config as a mapping; restore it from a copy of the run")
+    cfg = from_dict(RunConfig, data)
+    cfg.run_dir = str(run_dir)
+    return cfg
 
 
 def run_training(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
@@ -58,6 +68,7 @@ def _run_training(cfg: RunConfig, resume: bool) -> dict[str, Any]:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.grpo.seed)
     run_dir = Path(cfg.run_dir or f"runs/{cfg.preset}-{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
+    _check_run_dir(run_dir, resume)
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if resume and checkpoint is None:
         raise FileNotFoundError(f"--resume: {run_dir} has no complete checkpoint to resume from")
@@ -66,6 +77,8 @@ def _run_training(cfg: RunConfig, resume: bool) -> dict[str, Any]:
     train_records, eval_records = load_task(cfg.task)
     resolve_reward_funcs(cfg.task.reward_funcs)
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={cfg.device!r} but this torch sees no CUDA GPU; use device=auto or device=cpu")
     model, tokenizer, source = load_model(cfg.model.name, cfg.model.dtype, recipe=cfg.recipe, device=device)
     trainer = GRPOTrainer(model, cfg.task.reward_funcs, cfg.grpo, train_records, tokenizer=tokenizer,
                           recipe=cfg.recipe, system_prompt=cfg.task.system_prompt)
@@ -84,7 +97,7 @@ def _run_training(cfg: RunConfig, resume: bool) -> dict[str, Any]:
     def held_out() -> float:
         return evaluate(trainer.engine, eval_ids, eval_records, max_tokens=cfg.grpo.max_completion_length,
                         num_samples=cfg.eval.num_samples, temperature=cfg.eval.temperature,
-                        seed=cfg.grpo.seed)["pass@1"] if eval_records else float("nan")
+                        seed=cfg.grpo.seed)["pass@1"] if eval_records else None
 
     if checkpoint is not None:
         state = load_trainer_state(checkpoint, model, trainer.optimizer)
@@ -93,7 +106,7 @@ def _run_training(cfg: RunConfig, resume: bool) -> dict[str, Any]:
         print(f"resumed from {checkpoint} at step {trainer.step}")
     else:
         eval_initial = held_out()
-    print(f"held-out accuracy before training: {eval_initial:.3f} ({len(eval_records)} problems)")
+    print(f"held-out accuracy before training: {_fmt(eval_initial)} ({len(eval_records)} problems)")
 
     logger = MetricsLogger(run_dir, total_steps=cfg.grpo.max_steps, resume_step=trainer.step,
                            tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project, run_name=run_dir.name,
@@ -145,7 +158,7 @@ def _run_mean(history: list[dict], keys: tuple[str, ...]) -> dict[str, float]:
 
 def _print_summary(result: dict[str, Any]) -> None:
     rows = [("recipe", result["recipe"]), ("steps", result["steps"]),
-            ("held-out accuracy", f"{result['eval_accuracy_initial']:.3f} -> {result['eval_accuracy_final']:.3f}"),
+            ("held-out accuracy", f"{_fmt(result['eval_accuracy_initial'])} -> {_fmt(result['eval_accuracy_final'])}"),
             ("reward (first -> last step)", f"{result['reward_first']:.3f} -> {result['reward_last']:.3f}"
              if result["reward_first"] is not None else "-"),
             ("on-policy / old logprobs", f"{result['on_policy']} / {result['old_logprobs']}")]
@@ -156,6 +169,21 @@ def _print_summary(result: dict[str, Any]) -> None:
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
     print("-" * (width + 30))
+
+
+def _fmt(accuracy: float | None) -> str:
+    return "-" if accuracy is None else f"{accuracy:.3f}"  # None: no held-out problems (task.num_eval=0)
+
+
+def _check_run_dir(run_dir: Path, resume: bool) -> None:
+    """A new run never writes into a directory that already holds one: it would delete that run's metrics and mix
+    its checkpoints with the new ones (and ``keep_last`` could then prune the new run's). ``--resume`` continues it."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise FileExistsError(f"run dir {run_dir} is a file; pass a directory path with --run-dir")
+    held = [name for name in ("config.yaml", "metrics.jsonl", "checkpoints") if (run_dir / name).exists()]
+    if held and not resume:
+        raise FileExistsError(f"{run_dir} already holds a run ({', '.join(held)}): continue it with `jetrl train "
+                              f"--run-dir {run_dir} --resume`, or start the new run in another --run-dir")
 
 
 def _atomic_text(path: Path, text: str) -> None:

@@ -1,4 +1,5 @@
-"""Mid-M (M = 33-256) W8A8 block-FP8 GEMM for Hopper in Gluon; its spec is :func:`jetrl.fp8.gemm.gemm_emulated`.
+"""Decode and mid-M (M <= 256) W8A8 block-FP8 GEMM for Hopper in Gluon; its spec is
+:func:`jetrl.fp8.gemm.gemm_emulated`.
 
 Why: at the rollout's batch (M = 256 rows against an 8B layer) cuBLAS's block-scaled kernel tiles
 the output 128 x 128, so o and down run 64 CTAs and qkv 96 on 132 SMs (docs/benchmarks.md (c):

@@ -1,9 +1,10 @@
 """Small-M (decode) W8A8 block-FP8 GEMM in Triton; its spec is :func:`jetrl.fp8.gemm.gemm_emulated`.
 
 Why: at decode sizes (a few to 64 rows against an 8B layer's N x K weight; the dispatcher in
-gemm.py sends M <= 64 here) the GEMM is bound by reading the weight, N*K bytes of FP8 codes. cuBLAS's block-scaled path carries a fixed cost
-of about 15 us per call (design.md §3: slower than BF16 on 4096x4096 at M = 16), and a plain
-tile-per-output kernel leaves most of the 132 SMs idle when N / BLOCK_N is small. This
+gemm.py sends M <= 16 here for all but small weights, and up to 64 rows where K is long:
+``choose_backend``) the GEMM is bound by reading the weight, N*K bytes of FP8 codes. cuBLAS's
+block-scaled path carries a fixed cost of about 15 us per call (design.md §3: slower than BF16 on
+4096x4096 at M = 16), and a plain tile-per-output kernel leaves most of the 132 SMs idle when N / BLOCK_N is small. This
 kernel splits K as well, so ``num_n_blocks * split_k`` programs stream disjoint slices of
 the weight at full bandwidth.
 

@@ -1,10 +1,11 @@
 """Programmatic dependent launch (PDL): a decode GEMM loads its weight while the kernel before it still runs.
 
-Why: at decode sizes (M = 33-256) a Gluon GEMM (gemm_gluon.py) streams its weight through a ring of shared-memory
-slots, and its first loads -- the pipeline fill -- are a fixed cost per call: at M = 64 the four GEMMs of an 8B
-layer run at 1.8-3.2 TB/s against 4.3 (docs/benchmarks.md (c)). The weight is written by no kernel in flight (only
-between optimizer steps), so the GEMM can start while the kernel before it -- the one that writes its input --
-still runs, fill its ring with weight tiles, and wait only before its activation loads.
+Why: at decode sizes a Gluon GEMM (gemm_gluon.py; which rows it takes: ``choose_backend`` in gemm.py) streams its
+weight through a ring of shared-memory slots, and its first loads -- the pipeline fill -- are a fixed cost per call:
+at M = 64 the four GEMMs of an 8B layer run at 1.8-3.2 TB/s against 4.3 (docs/benchmarks.md (c)). The weight is
+written by no kernel in flight (only between optimizer steps), so the GEMM can start while the kernel before it --
+the one that writes its input -- still runs, fill its ring with weight tiles, and wait only before its activation
+loads.
 
 The protocol (PTX ``griddepcontrol``; SM90+, kept by CUDA graphs):
 
@@ -25,7 +26,7 @@ weight-cache refresh, the transpose of its codes, the optimizer -- are followed 
 prefill). The values computed never change -- only when the GEMM's loads are issued (tests compare PDL and plain
 launches bit for bit, also under CUDA-graph replay with the input rewritten between replays).
 
-Where: Gluon GEMMs of at most ``PDL_MAX_M`` rows (M = 33-64), and the kernels writing inputs of at most that many
+Where: Gluon GEMMs of at most ``PDL_MAX_M`` (64) rows, and the kernels writing inputs of at most that many
 rows. Above it everything is launched plainly -- the trainer, the prefill and the B = 256 decode step -- and the
 release instruction is a branch not taken (norms, SwiGLU) or compiled out (the rest).
 
@@ -88,8 +89,8 @@ def _env_setting() -> bool:
 
 def release_rows(device: torch.device, rows: int) -> bool:
     """Whether a kernel writing a ``rows``-row input of a GEMM on ``device`` releases early: with PDL on, up to
-    ``PDL_MAX_M`` rows, where the GEMM after it may be PDL-launched (a Gluon one: at M <= 32 the Triton kernel takes
-    it, not PDL-launched, and the release is then a no-op); above, the BF16 baseline's and the trainer's kernels
+    ``PDL_MAX_M`` rows, where the GEMM after it may be PDL-launched (a Gluon one; where the Triton kernel takes the
+    GEMM, it is not PDL-launched, and the release is then a no-op); above, the BF16 baseline's and the trainer's kernels
     launch plainly. (Runs BQ-BS released at every row count: the probe's B = 256 step was 1.2-1.6% slower in
     ``bf16`` and 3.5-4.6% in ``jet`` with it, while the bench's step in run BR, with it, matched earlier runs; run
     BT, with this gate, measured the same probe's two B = 256 arms -- then running the same kernels -- 0.6-2.6%

@@ -48,6 +48,7 @@ import triton.language as tl
 
 from jetrl.fp8.kernels.pdl import release, release_rows
 from jetrl.fp8.quant import E4M3, E4M3_MAX, SCALE_FLOOR
+from jetrl.overrides import env_choice
 
 E4M3_MAX_C = tl.constexpr(E4M3_MAX)
 SCALE_FLOOR_C = tl.constexpr(SCALE_FLOOR)
@@ -254,7 +255,9 @@ def quantize_dequantize_triton(
 
 def explicit_round() -> bool:
     """Round in software under the interpreter (or with JETRL_QUANT_EXPLICIT_ROUND=1), else by the hardware cast."""
-    return os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("JETRL_QUANT_EXPLICIT_ROUND") == "1"
+    return os.environ.get("TRITON_INTERPRET") == "1" or env_choice(
+        "JETRL_QUANT_EXPLICIT_ROUND", ("0", "1"), "1 = round to E4M3 in fp32/int32 ops, as under the interpreter; "
+        "0 = the hardware cast, the default") == "1"
 
 
 def scale_buffer(rows: int, groups: int, col_major: bool, device: torch.device) -> torch.Tensor:
