@@ -67,6 +67,7 @@ def test_task_options_reach_the_reasoning_gym_dataset(tmp_path):
         ("", ["grpo.reward_weights=[.nan]"], "must be None or a list of finite numbers"),
         ("", ["eval.temperature=.nan"], "eval.temperature=nan >= 0 and finite"),
         ("", ["threads=0"], "threads=0 must be >= 1"),
+        ("", ["task.reward_funcs=[1]"], "task.reward_funcs=\\[1\\] must be names"),
         ("", ["device=gpu"], "device='gpu' must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
     ],
 )

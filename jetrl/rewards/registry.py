@@ -60,6 +60,8 @@ def resolve_reward_funcs(funcs: str | RewardFunc | Sequence[str | RewardFunc] | 
         funcs = [funcs]
     resolved: dict[str, RewardFunc] = {}
     for f in funcs:
+        if not isinstance(f, str) and not callable(f):
+            raise TypeError(f"reward function {f!r} is neither a name (e.g. 'math', 'module:function') nor a callable")
         name, fn = (f, get_reward_func(f)) if isinstance(f, str) else (getattr(f, "__name__", repr(f)), f)
         if name in resolved:
             raise ValueError(f"reward function {name!r} is given twice")

@@ -65,6 +65,9 @@ class TaskConfig:
             raise ValueError(f"task.num_train={self.num_train} must be >= 1 and task.num_eval={self.num_eval} >= 0")
         if not self.reward_funcs:
             raise ValueError("task.reward_funcs is empty: name at least one reward function, e.g. ['math']")
+        if not all(isinstance(name, str) for name in self.reward_funcs):
+            raise ValueError(f"task.reward_funcs={self.reward_funcs!r} must be names, e.g. ['math'] or "
+                             "['my_module:my_reward']")
         if self.options and self.source != "reasoning_gym":
             raise ValueError(f"task.options is for task.source='reasoning_gym' (the dataset's config); "
                              f"task.source={self.source!r} takes none")
