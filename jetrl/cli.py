@@ -117,8 +117,6 @@ def _resolve(args: argparse.Namespace):
 def _train(args: argparse.Namespace) -> int:
     from jetrl.run.train import load_run_config, run_training
 
-    if args.help_config:
-        return _help_config(load_run_config(args.run_dir) if args.resume and args.run_dir else _resolve(args))
     if args.resume:
         if args.run_dir is None:
             raise ValueError("--resume needs --run-dir RUN_DIR (the run to continue)")
@@ -129,6 +127,8 @@ def _train(args: argparse.Namespace) -> int:
         cfg = _resolve(args)
         if args.run_dir is not None:
             cfg.run_dir = args.run_dir
+    if args.help_config:  # the config this command would run, printed instead of run
+        return _help_config(cfg)
     run_training(cfg, resume=args.resume)
     return 0
 
