@@ -316,3 +316,27 @@ def test_decode_step_ab_builds_each_arm_in_its_context_and_times_abba(monkeypatc
     assert [(r["batch"], r["recipe"]) for r in rows] == [(b, r) for b in (2, 4) for r in ("bf16", "jet", "jet_kv")]
     assert built == [True, False] * 6 and timed == [False, True, True, False] * 6
     assert all(r["off_ms"] == 3.0 and r["on_ms"] == 2.0 and r["logits"][True].eq(1).all() for r in rows)
+
+
+def test_clock_log_keeps_its_gpus_samples_and_is_empty_without_a_gpu(monkeypatch):
+    """jetrl/bench/gpu_clocks.py: nvidia-smi's CSV lines of the GPU torch runs on (by UUID) summarized, unparsable
+    lines skipped; on CPU, or with no nvidia-smi, an empty summary and no error."""
+    from jetrl.bench import gpu_clocks
+
+    text = ("GPU-aaaa-1, 1980, 120.5, 0x0000000000000000\n"
+            "GPU-bbbb-2, 1200, 650.0, 0x0000000000000004\n"  # another GPU: not counted
+            "GPU-aaaa-1, 1620, 693.0, 0x0000000000000004\n"
+            "GPU-aaaa-1, [N/A], 690.0, 0x4\n"
+            "GPU-aaaa-1, 1650, 69")  # cut off by terminate()
+    assert gpu_clocks.parse_samples(text, "AAAA-1") == [(1980.0, 120.5, 0), (1620.0, 693.0, 4)]
+    summary = gpu_clocks.summarize(gpu_clocks.parse_samples(text, "aaaa-1"))
+    assert summary == {"sm_mhz_mean": 1800, "sm_mhz_min": 1620, "power_w_mean": 407, "power_capped": 0.5,
+                       "samples": 2}
+    assert gpu_clocks.summarize([]) == {}
+    with gpu_clocks.ClockLog(torch.device("cpu")) as log:
+        pass
+    assert log.summary() == {}
+    monkeypatch.setattr(gpu_clocks.shutil, "which", lambda name: None)
+    with gpu_clocks.ClockLog(torch.device("cuda")) as log:  # no nvidia-smi: never touches the (absent) GPU
+        pass
+    assert log.summary() == {}

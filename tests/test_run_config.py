@@ -69,6 +69,9 @@ def test_task_options_reach_the_reasoning_gym_dataset(tmp_path):
         ("", ["threads=0"], "threads=0 must be >= 1"),
         ("", ["task.reward_funcs=[1]"], "task.reward_funcs=\\[1\\] must be names"),
         ("", ["device=gpu"], "device='gpu' must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
+        ("", ["preset=default"], ("override 'preset=default' sets preset='default', but this config starts "
+                                  "from preset 'tiny'.*pass --preset default")),
+        ("preset: smollm2\n", [], "bad.yaml sets preset='smollm2'.*pass --preset smollm2"),
     ],
 )
 def test_invalid_config_is_one_actionable_error(tmp_path, yaml_text, overrides, match):
@@ -76,6 +79,13 @@ def test_invalid_config_is_one_actionable_error(tmp_path, yaml_text, overrides, 
     path.write_text(yaml_text)
     with pytest.raises(ValueError, match=match):
         resolve_config(get_preset("tiny"), path, overrides)
+
+
+def test_preset_key_may_only_repeat_the_preset_started_from(tmp_path):
+    # a saved run config (config.yaml) names its preset; reused with that --preset it resolves as before
+    path = tmp_path / "run.yaml"
+    path.write_text("preset: tiny\n")
+    assert resolve_config(get_preset("tiny"), path, ["preset=tiny"]).to_dict() == get_preset("tiny").to_dict()
 
 
 def test_unknown_preset_and_help():

@@ -41,6 +41,7 @@ from torch import nn
 
 from jetrl.bench.attention import decode_attention_rows
 from jetrl.bench.checks import GEMM_REL_ERR_MAX, rel_err, status
+from jetrl.bench.gpu_clocks import ClockLog
 from jetrl.bench.hf_generate import hf_generate
 from jetrl.bench.models import (
     decode_weight_bytes,
@@ -237,7 +238,8 @@ def engine_rollout(model: nn.Module, recipe: str, prompts: list[list[int]], new_
         engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True, seed=1))
         prefill_s = _time_prefills(engine, device)
         params = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=0)
-        seconds, groups = wall_s(partial(engine.generate, prompts, params), device)
+        with ClockLog(device) as clocks:  # a sustained decode can meet the board's power limit (gpu_clocks.py)
+            seconds, groups = wall_s(partial(engine.generate, prompts, params), device)
         completions = [group[0] for group in groups]
         full = all(len(c.token_ids) == new_tokens for c in completions)
         finite = all(torch.isfinite(torch.tensor(c.logprobs)).all() for c in completions)
@@ -249,7 +251,8 @@ def engine_rollout(model: nn.Module, recipe: str, prompts: list[list[int]], new_
     decode_s = seconds - prefill_s[0]
     return {"recipe": recipe, "tok_s": batch * new_tokens / seconds, "wall_s": seconds, "prefill_s": prefill_s[0],
             "ms_per_step": decode_s / max(new_tokens - 1, 1) * 1e3, "floor_ms_per_step": step_floor,
-            "ok": full and finite, "check_detail": ("all rows full length" if full else "SHORT completions")
+            "gpu": clocks.summary(), "ok": full and finite,
+            "check_detail": ("all rows full length" if full else "SHORT completions")
             + ("" if finite else ", NON-FINITE logprobs")}
 
 
@@ -271,7 +274,15 @@ def _recipe_row(label: str, r: dict[str, Any]) -> dict[str, Any]:
     return {"name": f"{label} {r['recipe']}", "unit": "ms", "baseline": r["floor_ms_per_step"],
             "baseline_label": "floor", "value": r["ms_per_step"], "value_label": "step",
             "ratio": r["ms_per_step"] / r["floor_ms_per_step"], **r, "check": status(r["ok"]),
-            "note": f"ratio = x floor; {r['tok_s']:,.0f} tok/s, prefill {r['prefill_s']:.2f} s"}
+            "note": f"ratio = x floor; {r['tok_s']:,.0f} tok/s, prefill {r['prefill_s']:.2f} s" + _clock_note(r["gpu"])}
+
+
+def _clock_note(gpu: dict[str, Any]) -> str:
+    """The SM clock and power while the rollout ran, where nvidia-smi could say (gpu_clocks.py)."""
+    if not gpu:
+        return ""
+    return (f"; SM {gpu['sm_mhz_mean']} MHz mean ({gpu['sm_mhz_min']} min), {gpu['power_w_mean']} W, "
+            f"power-capped {gpu['power_capped']:.0%} of samples")
 
 
 def _compare_row(label: str, base: dict[str, Any], fp8: dict[str, Any], smoke: bool) -> dict[str, Any]:

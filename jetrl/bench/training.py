@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from jetrl.bench.checks import status
+from jetrl.bench.gpu_clocks import ClockLog
 from jetrl.bench.models import free_device_memory, random_model, strip_precision
 from jetrl.bench.report import error_row, set_target
 from jetrl.bench.shapes import BenchConfig
@@ -121,11 +122,14 @@ def _phase_times(cfg: BenchConfig, device: torch.device, label: str = "training 
     model = random_model(cfg.model_config(cfg.train_layers), device, torch.bfloat16)
     batch = random_batch(cfg.train_batch, cfg.train_prompt, cfg.train_completion, cfg.vocab)
     records = random_records(cfg.train_batch, cfg.train_prompt, cfg.vocab)
-    out: dict[str, Any] = {"phase": {}, "old": {}, "update": {}, "memory": {}, "rows": [], "problems": []}
+    out: dict[str, Any] = {"phase": {}, "old": {}, "update": {}, "memory": {}, "gpu": {}, "rows": [], "problems": []}
     for recipe in RECIPES:
         def measure(trainer: GRPOTrainer, recipe: str = recipe) -> None:
             mark = allocator_mark(device)
-            samples = [_time_phase(trainer, batch, device) for _ in range(1 + cfg.train_iters)][1:]  # [0]: warm-up
+            with ClockLog(device) as clocks:  # large GEMMs can meet the board's power limit (gpu_clocks.py)
+                # [0] is the warm-up
+                samples = [_time_phase(trainer, batch, device) for _ in range(1 + cfg.train_iters)][1:]
+            out["gpu"][recipe] = clocks.summary()
             out["old"][recipe] = statistics.median(s[0] for s in samples) * 1e3
             out["update"][recipe] = statistics.median(s[1] for s in samples) * 1e3
             out["phase"][recipe] = statistics.median(s[0] + s[1] for s in samples) * 1e3
@@ -154,7 +158,7 @@ def training_phase(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any
     tokens = cfg.train_batch * (cfg.train_prompt + cfg.train_completion)
     name = f"training phase {cfg.train_batch}x{cfg.train_prompt + cfg.train_completion} tok"
     main = _comparison(name, "ms", phase, TRAIN_TARGET, cfg.smoke, tokens=tokens, old_logprobs_ms=old,
-                       update_ms=update, memory=memory,
+                       update_ms=update, memory=memory, gpu=times["gpu"],
                        note=times["model_note"] + "; old-logprob fwd + fwd/bwd/AdamW" + _memory_note(memory, *RECIPES))
     rows.insert(0, _checked(main, times))
     if len(phase) == 2:
@@ -186,11 +190,13 @@ def rl_step(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any]]:
     model = random_model(cfg.model_config(cfg.train_layers), device, torch.bfloat16)
     records = random_records(cfg.rl_prompts, cfg.rl_prompt, cfg.vocab, seed=2)
     num = cfg.rl_prompts * cfg.rl_generations
-    step, phases, memory, rows, problems = {}, {}, {}, [], []
+    step, phases, memory, gpu, rows, problems = {}, {}, {}, {}, [], []
     for recipe, old_logprobs in RL_STEP_CONFIGS:
         def measure(trainer: GRPOTrainer, key: tuple[str, str] = (recipe, old_logprobs)) -> None:
             mark = allocator_mark(device)
-            samples = [wall_s(trainer.train_step, device) for _ in range(1 + cfg.rl_steps)][1:]
+            with ClockLog(device) as clocks:
+                samples = [wall_s(trainer.train_step, device) for _ in range(1 + cfg.rl_steps)][1:]
+            gpu[key] = clocks.summary()
             step[key] = statistics.median(s for s, _ in samples)
             last = samples[-1][1]
             phases[key] = {k: last.get(k, 0.0) for k in ("time/rollout", "time/old_logprobs", "time/update")}
@@ -214,6 +220,7 @@ def rl_step(cfg: BenchConfig, device: torch.device) -> list[dict[str, Any]]:
                "value": step[key], "value_label": key[0], "ratio": step[base] / step[key],
                "phases_s": {"bf16": phases[base], key[0]: phases[key]},
                "memory": {"bf16": memory.get(base), key[0]: memory.get(key)},
+               "gpu": {"bf16": gpu.get(base), key[0]: gpu.get(key)},
                "note": f"{_model_note(cfg, model)}; bf16/{key[0]} {per_phase}{_memory_note(memory, base, key)}"}
         comparisons.append(set_target(row, ">=", target, smoke=cfg.smoke))
     if comparisons:

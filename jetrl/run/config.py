@@ -235,6 +235,7 @@ def resolve_config(base: RunConfig, yaml_path: str | Path | None = None, overrid
             if not isinstance(loaded, dict):
                 raise ValueError(f"config file {path} must hold a mapping of sections, got {type(loaded).__name__}")
             _merge(tree, loaded)
+            _check_preset(tree, base, f"config file {path}")
     for item in overrides or []:
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like section.key=value, e.g. grpo.learning_rate=1e-5")
@@ -244,4 +245,14 @@ def resolve_config(base: RunConfig, yaml_path: str | Path | None = None, overrid
         except yaml.YAMLError:
             value = raw
         _set_dotted(tree, key.strip(), value)
+        _check_preset(tree, base, f"override {item!r}")
     return from_dict(RunConfig, tree)
+
+
+def _check_preset(tree: dict[str, Any], base: RunConfig, source: str) -> None:
+    """``preset`` records the preset a config started from; setting it in a YAML file or an override would only
+    relabel the config (the run would still start from ``base``), so another value is an error naming ``--preset``."""
+    if tree.get("preset") != base.preset:
+        name = tree.get("preset")
+        raise ValueError(f"{source} sets preset={name!r}, but this config starts from preset {base.preset!r}: "
+                         f"'preset' only records where a config started; to start from {name!r}, pass --preset {name}")
