@@ -91,6 +91,15 @@ def test_bad_input_is_refused_with_what_to_change():
         engine.score(prompts, completions, temperature=0.0)
     with pytest.raises(ValueError, match="exceeds max_slots=8"):
         engine.score(prompts * 2, completions * 2)
+    with pytest.raises(ValueError, match=r"pair 0 holds token ids outside \[0, "):
+        engine.score([prompts[0]], [[engine.config.vocab_size]])
+    context = engine.config.max_position_embeddings
+    engine.config.max_position_embeddings = len(prompts[0])  # as generate: past the context RoPE gives garbage
+    try:
+        with pytest.raises(ValueError, match=rf"need {len(prompts[0]) + 1} positions, more than the model's context"):
+            engine.score([prompts[0]], [completions[0][:2]])
+    finally:
+        engine.config.max_position_embeddings = context
     with pytest.raises(ValueError, match="one completion per prompt"):
         diagnose(engine, prompts, completions[:1])
     with pytest.raises(TypeError, match="needs a jetrl.models.CausalLM"):

@@ -296,6 +296,12 @@ def test_finish_reasons_and_stop_strings():
     c = engine.generate([prompt], SamplingParams(**greedy, stop_token_ids=[free[4]]))[0][0]
     k = free.index(free[4])
     assert (c.finish_reason, c.stop_reason, c.token_ids) == ("stop", free[4], free[: k + 1])  # stop token kept
+    assert c.text == tok.decode(free[:k])  # ... in the ids, not in the text (vLLM's)
+    # the model's EOS (here its config's eos_token_id, a free token) ends a completion with stop_reason None
+    eos_engine = Engine(copy.deepcopy(model), tokenizer=tok, max_slots=2, max_len=max_len)
+    eos_engine.config.eos_token_id = free[4]
+    c = eos_engine.generate([prompt], SamplingParams(**greedy))[0][0]
+    assert (c.finish_reason, c.stop_reason, c.token_ids, c.text) == ("stop", None, free[: k + 1], tok.decode(free[:k]))
 
     text = tok.decode(free)
     stop = text[5:7]
@@ -351,6 +357,25 @@ def test_prefill_happens_once_per_group_in_the_rollout_phase():
 def test_invalid_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_a_row_without_a_distribution_and_a_tiny_temperature_never_index_past_the_vocabulary():
+    """A row of logits that is all -inf, NaN or +inf (a blown-up policy) has no distribution: token 0 and a NaN
+    logprob, as the fused kernel gives it (searchsorted pointed past the vocabulary: an IndexError on CPU, a device
+    assert on CUDA). A temperature below 1e-5 decodes greedily, as in vLLM (logits / T overflowed to inf)."""
+    logits = torch.randn(4, 10)
+    logits[1] = float("-inf")
+    logits[2, 3] = float("nan")
+    logits[3, 5] = float("inf")
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, top_k=3)):
+        tokens, lps = sample(logits, params, torch.arange(4), torch.zeros(4, dtype=torch.int64))
+        assert tokens[1:].tolist() == [0, 0, 0] and lps[1:].isnan().all() and lps[0].isfinite()
+    tiny = SamplingParams(temperature=1e-38)
+    assert tiny.is_greedy and not SamplingParams(temperature=1e-4).is_greedy
+    tokens, _ = sample(logits[:1], tiny, torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+    assert tokens.item() == logits[0].argmax().item()
+    # a top_k of at least the vocabulary cuts nothing (and keeps the fused sampler where it applies)
+    assert not SamplingParams(top_k=10).truncates(10) and SamplingParams(top_k=9).truncates(10)
 
 
 def test_engine_input_errors():

@@ -2,15 +2,17 @@
 
 Tiny random Llama checkpoints written by transformers (BF16, with a byte-level BPE tokenizer and
 a ChatML template) are the sources. Two shapes: ``aligned`` (every dim a multiple of 128 or a
-single block, untied head) and ``partial`` (hidden 192, intermediate 320: partial last blocks,
-tied head). "The codes the trainer used" are recorded from the quantizer during a training
-forward after a few optimizer steps under ``jet``.
+single block, each of q/k/v and gate/up a multiple of 128 as vLLM merges them, untied head) and
+``partial`` (hidden 192, intermediate 320: partial last blocks, tied head). "The codes the trainer
+used" are recorded from the quantizer during a training forward after a few optimizer steps under
+``jet``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -35,7 +37,7 @@ CHATML = (
 )
 SHAPES = {
     "aligned": {"vocab_size": 384, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-                "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "tie_word_embeddings": False},
+                "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 128, "tie_word_embeddings": False},
     "partial": {"vocab_size": 384, "hidden_size": 192, "intermediate_size": 320, "num_hidden_layers": 2,
                 "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 64, "tie_word_embeddings": True},
 }
@@ -148,7 +150,8 @@ def test_bf16_round_trip_is_exact(src, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ FP8
-@pytest.mark.filterwarnings("ignore:.*end in partial 128x128 blocks")  # expected: the warning is tested
+@pytest.mark.filterwarnings("ignore:.*end in partial 128x128 blocks")  # expected: the warnings are tested
+@pytest.mark.filterwarnings("ignore:.*vLLM loads merged with their siblings")
 def test_fp8_export_format(src, tmp_path):
     shape, _, d = src
     model, config, used, _ = train_jet(d)
@@ -157,7 +160,8 @@ def test_fp8_export_format(src, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     qc = cfg["quantization_config"]
     assert qc == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                  "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"], "jetrl_recipe": "jet"}
+                  "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"], "ignored_layers": ["lm_head"],
+                  "jetrl_recipe": "jet"}
     assert cfg["torch_dtype"] == "bfloat16"
     # transformers' own config class accepts it as is.
     fg = transformers.FineGrainedFP8Config.from_dict(dict(qc))
@@ -186,7 +190,8 @@ def test_fp8_export_format(src, tmp_path):
         assert (out / f).is_file()
 
 
-@pytest.mark.filterwarnings("ignore:.*end in partial 128x128 blocks")  # expected: the warning is tested
+@pytest.mark.filterwarnings("ignore:.*end in partial 128x128 blocks")  # expected: the warnings are tested
+@pytest.mark.filterwarnings("ignore:.*vLLM loads merged with their siblings")
 def test_fp8_round_trip_is_bit_identical(src, tmp_path):
     """FP8 export -> load: the caches hold the trainer's codes and scales, without re-quantizing."""
     _, _, d = src
@@ -241,8 +246,9 @@ def test_fp8_export_loads_in_transformers(aligned, tmp_path):
     model, config, used, ids = train_jet(d)
     out = tmp_path / "fp8"
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # aligned shapes: no partial-block warning
-        assert export_model(model, config, out, "fp8")["partial_block_layers"] == 0
+        warnings.simplefilter("error")  # aligned shapes: no partial-block warning, nothing vLLM could not merge
+        summary = export_model(model, config, out, "fp8")
+        assert summary["partial_block_layers"] == summary["vllm_unmergeable_layers"] == 0
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     ours, _ = load_pretrained(out, dtype=torch.float32)
@@ -309,9 +315,11 @@ def test_fp8_checkpoint_loading_options_and_errors(partial, tmp_path):
     model, config, used, _ = train_jet(d, steps=1)
     out = tmp_path / "fp8"
     # partial 128x128 blocks: exported (and read back below) exactly, with a warning about transformers' CPU reader
-    with pytest.warns(UserWarning, match="end in partial 128x128 blocks.*transformers' CPU dequantization"):
+    with pytest.warns(UserWarning, match="end in partial 128x128 blocks.*transformers' CPU dequantization"), \
+            pytest.warns(UserWarning, match="vLLM loads merged with their siblings .* not a multiple of 128"):
         summary = export_model(model, config, out, "fp8")
     assert summary["partial_block_layers"] > 0
+    assert summary["vllm_unmergeable_layers"] == 10  # per layer q (192), k, v (64), gate, up (320)
     # recipe="bf16": plain dequantized weights.
     plain, cfg = load_pretrained(out, dtype=torch.float32, recipe="bf16")
     assert not float8_modules(plain)
@@ -334,6 +342,20 @@ def test_fp8_checkpoint_loading_options_and_errors(partial, tmp_path):
     (broken / "config.json").write_text((out / "config.json").read_text())
     save_file({k: v for k, v in state.items() if k != victim}, str(broken / "model.safetensors"))
     with pytest.raises(CheckpointError, match="without weight_scale_inv"):
+        load_pretrained(broken)
+    # bf16 / fp16 scales (Qwen3's FP8 hub checkpoints store bf16 ones) load as the exact fp32 they widen to
+    for dtype in (torch.bfloat16, torch.float16):
+        narrow = {k: v.to(dtype) if k.endswith("weight_scale_inv") else v for k, v in state.items()}
+        save_file(narrow, str(broken / "model.safetensors"))
+        (broken / "config.json").write_text((out / "config.json").read_text())
+        loaded, _ = load_pretrained(broken, dtype=torch.float32, recipe="bf16")
+        for fqn, q in used.items():
+            scales = q.scales.to(dtype).float()
+            assert torch.equal(loaded.get_submodule(fqn).weight, Float8Blocks(q.codes, scales, (128, 128)).dequantize(
+                torch.float32)), (dtype, fqn)
+    save_file({k: v.to(torch.float64) if k == victim else v for k, v in state.items()},
+              str(broken / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="needs float32 \\(or bfloat16 / float16\\)"):
         load_pretrained(broken)
     cfg_json = json.loads((out / "config.json").read_text())
     cfg_json["quantization_config"]["weight_block_size"] = [1, 128]
@@ -368,6 +390,14 @@ def test_tokenizer(src, tmp_path, hf_tokenizer):
     (tmp_path / "empty").mkdir()
     with pytest.raises(TokenizerError, match="no tokenizer in .*tokenizer.json"):
         load_tokenizer(tmp_path / "empty")
+    # generation_config.json's eos ids are stop tokens; a saved tokenizer (a training checkpoint's) keeps them
+    multi = tmp_path / "multi"
+    shutil.copytree(d, multi)
+    (multi / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    tok = load_tokenizer(multi)
+    assert tok.stop_token_ids == [2, 7]
+    tok.save(tmp_path / "saved")
+    assert load_tokenizer(tmp_path / "saved").stop_token_ids == [2, 7]
     with pytest.raises(TokenizerError, match="not a directory"):
         load_tokenizer(tmp_path / "nope")
 

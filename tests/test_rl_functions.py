@@ -77,6 +77,14 @@ def test_kl_term_and_weights():
     w = torch.tensor([[0.0, 1.0]])
     loss, _ = policy_loss(lp, lp, torch.tensor([1.0]), mask, token_weights=w, loss_type="bnpo")
     assert loss.item() == pytest.approx(-0.5)
+    # the correction weights the policy-gradient term only (as TRL's importance-sampling ratio): a token MIS masks
+    # out still pays its KL to the reference
+    lp_kl = lp.clone().requires_grad_(True)
+    loss, _ = policy_loss(lp_kl, lp_kl.detach(), torch.tensor([0.0]), mask, beta=0.1, ref_logprobs=ref,
+                          token_weights=torch.tensor([[0.0, 1.0]]), loss_type="bnpo")
+    assert loss.item() == pytest.approx(0.1 * kl.mean().item())
+    loss.backward()
+    assert lp_kl.grad[0, 0].item() == pytest.approx(0.1 * (1 - math.exp(-0.5)) / 2)
 
 
 def test_rollout_correction():

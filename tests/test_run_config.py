@@ -61,8 +61,11 @@ def test_task_options_reach_the_reasoning_gym_dataset(tmp_path):
         ("", ["grpo.num_generations=1"], "num_generations=1 must be >= 2: an advantage is a reward minus"),
         ("", ["grpo.adam_beta1=2"], "grpo.adam_beta1=2.0 must be in \\[0, 1\\)"),
         ("", ["grpo.weight_decay=-1"], "grpo.weight_decay=-1.0 must be >= 0"),
+        ("", ["grpo.beta=.inf"], "grpo.beta=inf must be >= 0 and finite"),
+        ("", ["grpo.overlong_penalty_factor=-1"], "grpo.overlong_penalty_factor=-1.0 must be >= 0 and finite"),
         ("", ["grpo.learning_rate=.inf"], "grpo.learning_rate=inf must be > 0 and finite"),
-        ("", ["grpo.temperature=.nan"], "grpo.temperature=nan must be > 0 and finite"),
+        ("", ["grpo.temperature=.nan"], "grpo.temperature=nan must be >= 1e-05 and finite"),
+        ("", ["grpo.temperature=1e-6"], "grpo.temperature=1e-06 must be >= 1e-05 .*decodes greedily"),
         ("", ["grpo.reward_weights=[a]"], "grpo.reward_weights=\\['a'\\] must be None or a list of finite numbers"),
         ("", ["grpo.reward_weights=[.nan]"], "must be None or a list of finite numbers"),
         ("", ["eval.temperature=.nan"], "eval.temperature=nan >= 0 and finite"),
@@ -161,6 +164,35 @@ def test_a_run_dir_is_never_overwritten_and_a_copied_run_resumes_where_it_is(tmp
     proc = subprocess.run([sys.executable, "-m", "jetrl", "train", "--preset", "tiny", "--run-dir", str(file_dir)],
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 2 and "is a file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_resume_points_at_complete_checkpoints_and_a_run_records_the_checkpoint_it_started_from(tmp_path):
+    """`latest` naming a half-written step names the complete ones to point it at; a symlinked `latest` is followed;
+    a run started from another run's directory records that run's checkpoint, not its moving `latest`."""
+    from jetrl.models.export import resolve_checkpoint
+    from jetrl.rl.checkpoint import STATE_FILE, latest_checkpoint
+    from jetrl.run.models import pinned_model_name
+    from jetrl.run.train import run_training
+
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    for step in ("step_000001", "step_000002", "step_000003"):
+        (root / step).mkdir(parents=True)
+        (root / step / "config.json").write_text("{}")
+    for step in ("step_000001", "step_000002"):
+        (root / step / STATE_FILE).write_bytes(b"")
+    (root / "latest").write_text("step_000003")  # its trainer state never written
+    cfg = get_preset("tiny")
+    cfg.run_dir = str(run)
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    with pytest.raises(FileNotFoundError, match="does not point at a complete checkpoint, but step_000001, "
+                                                "step_000002 are complete: .*echo step_000002 >"):
+        run_training(cfg, resume=True)
+    (root / "latest").unlink()
+    (root / "latest").symlink_to(root / "step_000002")
+    assert latest_checkpoint(run) == (root / "step_000002").resolve()
+    assert pinned_model_name(str(run), resolve_checkpoint(run)) == str((root / "step_000002").resolve())
+    assert pinned_model_name("tiny", tmp_path) == "tiny"
 
 
 def test_empty_dataset_file_is_one_line(tmp_path):

@@ -109,7 +109,9 @@ def test_fp8_export_round_trip_answers(smol_dir, tmp_path):
     model, config = load_pretrained(smol_dir, dtype=torch.float32, recipe="jet")
     codes = {fqn: m.quantized_weight() for fqn, m in float8_modules(model).items()}
     assert len(codes) == 30 * 7
-    export_model(model, config, tmp_path / "fp8", "fp8", tokenizer_from=smol_dir)
+    with pytest.warns(UserWarning, match="90 FP8 layer.* vLLM loads merged with their siblings"):  # 576 / 192 / 1536
+        summary = export_model(model, config, tmp_path / "fp8", "fp8", tokenizer_from=smol_dir)
+    assert summary["vllm_unmergeable_layers"] == 30 * 3  # q (576), k, v (192); gate and up are 1536 = 12 x 128
     loaded, _ = load_pretrained(tmp_path / "fp8", dtype=torch.float32)
     for fqn, m in float8_modules(loaded).items():
         q = m.quantized_weight()

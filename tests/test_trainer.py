@@ -98,6 +98,74 @@ def test_old_logprobs_source_and_mismatch_per_recipe(recipe, source):
         _trainer("fp8_rollout", old_logprobs="rollout")
 
 
+def test_trainer_logprobs_are_of_the_tempered_distribution_the_rollout_sampled():
+    """At temperature T the engine samples from softmax(logits / T) and reports those logprobs; the trainer's old and
+    new logprobs are of the same distribution (TRL divides by T too), so `jet` stays on-policy at T != 1 and `bf16`'s
+    recomputed logprobs match the rollout's."""
+    for recipe, source in (("jet", "rollout"), ("bf16", "recompute")):
+        trainer = _trainer(recipe, temperature=0.7)
+        assert trainer.old_logprobs_source == source
+        metrics = trainer.train_step()
+        assert metrics["token_mult_prob_error"] < 1.001, (recipe, metrics["token_mult_prob_error"])
+        assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-3), recipe  # first pass: pi == pi_old
+
+
+def test_rollout_logprobs_stand_in_for_pi_old_only_where_they_are_the_trainers():
+    # a truncated rollout (top-p / top-k) reports the logprobs of the truncated distribution; a rollout correction
+    # compares pi_old with the rollout: both need the trainer's pass, which 'auto' picks and 'rollout' refuses
+    for overrides in ({"top_p": 0.9}, {"top_k": 5}, {"rollout_correction": "tis"}):
+        assert _trainer("jet", **overrides).old_logprobs_source == "recompute", overrides
+    with pytest.raises(ValueError, match="truncated distribution it sampled from"):
+        _trainer("jet", top_p=0.9, old_logprobs="rollout")
+    with pytest.raises(ValueError, match="makes the same tensor"):
+        _trainer("jet", rollout_correction="mis", old_logprobs="rollout")
+
+
+@pytest.mark.parametrize("recipe", ["jet", "bf16"])
+def test_a_step_whose_completions_are_all_masked_trains_on_and_measures_the_mismatch(recipe, monkeypatch):
+    """mask_truncated_completions when every completion hit max_completion_length (likely early in a DAPO run): no
+    token counts in the loss, the step runs, and the trainer-vs-rollout mismatch is still measured over every
+    sampled token (it raised before). The all-zero loss mask is forced here: a random model stops at EOS at times."""
+    real = trainer_mod.rollout
+
+    def all_truncated(*args, **kwargs):
+        batch, *rest = real(*args, **kwargs)
+        batch.completion_mask.zero_()
+        return (batch, *rest)
+
+    monkeypatch.setattr(trainer_mod, "rollout", all_truncated)
+    metrics = _trainer(recipe, mask_truncated_completions=True).train_step()
+    assert metrics["token_mult_prob_error"] < 1.001 and math.isfinite(metrics["rollout_corr/kl"])
+    assert metrics["grad_norm"] == 0.0  # nothing in the loss
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
+def test_micro_batch_losses_add_up_to_the_groups_aggregate(loss_type):
+    """A short last micro-batch (DAPO dynamic sampling keeps whole groups only) must not weigh its sequences more:
+    the weighted micro-batch losses of one accumulation group add up to the loss_type's aggregate over the group
+    (bnpo: the mean of the micro-batches' token means, as TRL accumulates it)."""
+    from jetrl.rl.loss import policy_loss
+
+    torch.manual_seed(0)
+    lp, old = torch.randn(24, 5) * 0.1, torch.randn(24, 5) * 0.1
+    adv, mask = torch.randn(24), (torch.rand(24, 5) > 0.3).float()
+    kw = {"loss_type": loss_type, "max_completion_length": 5, "num_items_in_batch": float(mask.sum())}
+    parts = [slice(0, 16), slice(16, 24)]
+    total = sum(policy_loss(lp[r], old[r], adv[r], mask[r], **kw)[0]
+                * trainer_mod._micro_batch_weight(loss_type, r.stop - r.start, len(parts), 24) for r in parts)
+    if loss_type == "bnpo":
+        want = sum(policy_loss(lp[r], old[r], adv[r], mask[r], **kw)[0] for r in parts) / 2
+    else:
+        want = policy_loss(lp, old, adv, mask, **kw)[0]
+    assert total.item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_optimizer_steps_per_rl_step_counts_the_last_partial_group():
+    args = GRPOConfig(**{**ARGS, "generation_batch_size": 64, "per_device_train_batch_size": 16,
+                         "gradient_accumulation_steps": 3, "num_iterations": 2})
+    assert args.optimizer_steps_per_rl_step == 4  # 4 micro-batches per epoch: steps of 3 and 1, two epochs
+
+
 def test_nonfinite_step_is_skipped_or_stops(monkeypatch):
     real = trainer_mod.policy_loss
 
@@ -211,6 +279,7 @@ def test_kill_dash_9_then_resume_is_bitwise_identical(random_checkpoint, tmp_pat
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["steps"] == 6 and result["run_dir"] == str(full)
+    assert f"name: {random_checkpoint.resolve()}" in (full / "config.yaml").read_text()  # the start, pinned
     assert set(result["mismatch"]) == set(MISMATCH_KEYS)
 
     killed = tmp_path / "killed"
@@ -232,6 +301,18 @@ def test_kill_dash_9_then_resume_is_bitwise_identical(random_checkpoint, tmp_pat
     assert rows_resumed == rows_full
     assert weights_full.keys() == weights_resumed.keys()
     assert all(torch.equal(weights_full[k], weights_resumed[k]) for k in weights_full)
+
+
+def test_generate_checks_the_context_before_the_weights_load(random_checkpoint, monkeypatch):
+    from jetrl.run import generate
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the context check")
+
+    monkeypatch.setattr(generate, "load_model", no_weights)
+    context = tiny_model_config().max_position_embeddings
+    with pytest.raises(ValueError, match=rf"more than the model's context of {context}"):
+        generate.generate_main(str(random_checkpoint), ["What is 1 + 2?"], max_tokens=context)
 
 
 def test_generate_and_eval_commands(random_checkpoint, tmp_path):

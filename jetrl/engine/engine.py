@@ -100,6 +100,19 @@ class _Round:
     ready: Any  # a CUDA event recorded after the copies (None on CPU)
 
 
+def check_context(prompt_ids: list[list[int]], max_tokens: int, max_len: int, context: int) -> None:
+    """Every position a sequence can reach (its prompt, then each generated token but the last fed back; at most
+    ``max_len`` cache positions) must be inside the model's context of ``context`` positions
+    (``max_position_embeddings``): RoPE would run past it without an error, and the tokens would be garbage."""
+    for i, ids in enumerate(prompt_ids):
+        positions = len(ids) + min(max_tokens, max_len - len(ids)) - 1
+        if positions > context:
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens; with up to {positions - len(ids) + 1} generated tokens it "
+                f"needs {positions} positions, more than the model's context of {context} "
+                "(max_position_embeddings): shorten the prompt or generate fewer tokens")
+
+
 class Engine:
     """Generate completions with ``model`` (a :class:`jetrl.models.CausalLM`, FP8-converted or not).
 
@@ -449,16 +462,7 @@ class Engine:
         return out
 
     def _check_context(self, prompt_ids: list[list[int]], max_tokens: int) -> None:
-        """Every position a sequence can reach (its prompt, then each generated token but the last fed back) must be
-        inside the model's context: RoPE would run past it without an error, and the tokens would be garbage."""
-        context = self.config.max_position_embeddings
-        for i, ids in enumerate(prompt_ids):
-            positions = len(ids) + min(max_tokens, self.max_len - len(ids)) - 1
-            if positions > context:
-                raise ValueError(
-                    f"prompt {i} has {len(ids)} tokens; with up to {positions - len(ids) + 1} generated tokens it "
-                    f"needs {positions} positions, more than the model's context of {context} "
-                    "(max_position_embeddings): shorten the prompt or generate fewer tokens")
+        check_context(prompt_ids, max_tokens, self.max_len, self.config.max_position_embeddings)
 
     def _stop_token_ids(self, params: SamplingParams) -> set[int]:
         ids = set(params.stop_token_ids)
@@ -475,7 +479,11 @@ class Engine:
     def _completion(self, seq: Sequence) -> Completion:
         text = None
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            # a completion that a stop token ended leaves that token out of its text (it stays in its ids), and one
+            # that a stop string ended is cut before the string: the text is what precedes the stop, as in vLLM
+            stopped_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+            text = self.tokenizer.decode(seq.output_ids[:-1] if stopped_by_token else seq.output_ids,
+                                         skip_special_tokens=True)
             if isinstance(seq.stop_reason, str) and seq.stop_reason in text:
                 text = text[: text.index(seq.stop_reason)]
         return Completion(list(seq.output_ids), list(seq.output_logprobs), seq.finish_reason, seq.stop_reason, text)

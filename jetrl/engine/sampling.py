@@ -55,6 +55,7 @@ from jetrl.exact import exact_requested
 from jetrl.overrides import ScopedOverride, env_choice
 
 M32 = 0xFFFFFFFF
+GREEDY_BELOW = 1e-5  # a temperature under this decodes greedily (vLLM's _SAMPLING_EPS)
 M64 = 0xFFFFFFFFFFFFFFFF
 
 
@@ -63,13 +64,14 @@ class SamplingParams:
     """How to sample completions. Frozen (hashable, safe to share); validated on construction.
 
     n:              completions per prompt (a GRPO group); the prompt is prefilled once for all n.
-    temperature:    softmax temperature; 0 means greedy decoding.
+    temperature:    softmax temperature; 0 (or anything below 1e-5, as in vLLM) means greedy decoding.
     top_p:          nucleus mass in (0, 1]; 1 disables it.
     top_k:          keep the k most likely tokens; 0 disables it.
     max_tokens:     maximum number of generated tokens per completion.
     seed:           base seed; None draws one from torch's global RNG (so ``torch.manual_seed``
                     makes a run reproducible). Prompt i and sample j get their own stream.
-    stop_token_ids: extra token ids that end a completion (kept in its token ids).
+    stop_token_ids: extra token ids that end a completion (kept in its token ids, not in its text; its
+                    ``stop_reason``; a stop on the model's EOS has stop_reason None, as in vLLM).
     stop:           strings that end a completion (needs a tokenizer); the token that completes
                     one is kept in the ids, the text is cut before the string.
     ignore_eos:     do not stop on the model's / tokenizer's EOS ids (only on ``stop_token_ids``).
@@ -120,12 +122,13 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or below GREEDY_BELOW (as vLLM: there logits / T overflow fp32 and the softmax is NaN)."""
+        return self.temperature < GREEDY_BELOW
 
-    @property
-    def truncates(self) -> bool:
-        """True if top-k or top-p cut the support (a sort over the vocabulary is needed)."""
-        return not self.is_greedy and (self.top_k > 0 or self.top_p < 1)
+    def truncates(self, vocab: int) -> bool:
+        """True if top-k or top-p cut the support of a ``vocab``-token distribution (a sort over it is needed);
+        a top_k of at least ``vocab`` cuts nothing."""
+        return not self.is_greedy and (0 < self.top_k < vocab or self.top_p < 1)
 
 
 def _is_int(x: object) -> bool:
@@ -143,7 +146,7 @@ def processed_logprobs(logits: Tensor, params: SamplingParams) -> Tensor:
         return torch.log_softmax(z, dim=-1)
     if params.temperature != 1:
         z = z / params.temperature
-    if params.truncates:
+    if params.truncates(z.shape[-1]):
         z = z.masked_fill(_truncated(z, params), float("-inf"))
     return torch.log_softmax(z, dim=-1)
 
@@ -219,7 +222,7 @@ def sample(logits: Tensor, params: SamplingParams, keys: Tensor, steps: Tensor) 
         from jetrl.engine.kernels.sample_triton import sample_triton
 
         tokens, logprobs = sample_triton(logits if logits.stride(-1) == 1 else logits.contiguous(), params, keys, steps)
-    if exact_requested() and not params.truncates:
+    if exact_requested() and not params.truncates(logits.shape[-1]):
         # exact mode (jetrl/exact.py), on every device: the logprob by the trainer's own function, the bits it
         # recomputes (the sampler's own reduction agrees to ~1e-6 only)
         from jetrl.rl.token_logprobs import chosen_token_logprobs  # lazy: rl imports the engine
@@ -248,6 +251,9 @@ def sample_reference(logits: Tensor, params: SamplingParams, keys: Tensor, steps
         tokens = torch.minimum(
             torch.searchsorted(cdf, target, right=True), torch.searchsorted(cdf, total, right=False)
         ).squeeze(-1)
+        # a row with no distribution (all -inf, or NaN / +inf logits: its total is NaN) gets token 0 and a NaN
+        # logprob, as the fused kernel gives it; searchsorted would point past the vocabulary
+        tokens = torch.where(total.squeeze(-1) > 0, tokens, 0)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
@@ -288,7 +294,7 @@ def uses_fused_sampler(logits: Tensor, params: SamplingParams) -> bool:
     requested = fused_sampler_requested()
     from jetrl.fp8.kernels import KERNEL_FLOAT_DTYPES, has_triton
 
-    if requested is False or params.truncates or logits.dtype not in KERNEL_FLOAT_DTYPES:
+    if requested is False or params.truncates(logits.shape[-1]) or logits.dtype not in KERNEL_FLOAT_DTYPES:
         return False
 
     if requested is None:

@@ -93,7 +93,7 @@ class StopChecker:
 
     def __call__(self, seq: Sequence, token: int) -> tuple[str, int | str] | tuple[None, None]:
         if token in self.stop_token_ids:
-            return "stop", token
+            return "stop", self._reason(token)
         if seq.detokenizer is not None and self.params.stop:
             delta = seq.detokenizer.push(token)
             if delta:  # only the new text (plus a stop string's length of context) can hold a new match
@@ -104,6 +104,11 @@ class StopChecker:
         if len(seq.output_ids) >= self.params.max_tokens or seq.num_tokens >= self.max_len:
             return "length", None
         return None, None
+
+    def _reason(self, token: int) -> int | None:
+        """A stop token's ``stop_reason``: the id if the caller asked for it (``stop_token_ids``), None for the
+        model's EOS ids the engine adds (vLLM's convention: EOS <=> finish_reason 'stop' and stop_reason None)."""
+        return token if token in self.params.stop_token_ids else None
 
     def first_finish(self, seq: Sequence, tokens: list[int]) -> tuple[int, str, int | None] | None:
         """The token rules of ``__call__`` applied as ``tokens`` are appended to ``seq`` one by one, in one
@@ -119,7 +124,7 @@ class StopChecker:
         if self.stop_token_ids:
             for j, token in enumerate(tokens[: limit + 1]):
                 if token in self.stop_token_ids:
-                    return j, "stop", token
+                    return j, "stop", self._reason(token)
         return (limit, "length", None) if limit < len(tokens) else None
 
 

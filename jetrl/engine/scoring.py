@@ -33,8 +33,9 @@ def score(engine: Engine, prompts: list[list[int]], completions: list[list[int]]
     batches, lm_head at each prompt's last position), then one decode step per completion token over slots
     [0, B) -- the KV cache in the recipe's format, the decode attention kernel, the CUDA graphs -- feeding
     ``completions[i][j - 1]`` where the sampler's token would go. The logprob is ``log_softmax(logits / T)`` in
-    fp32 by the trainer's own function (``chosen_token_logprobs``), the quantity the sampler reports (its fused
-    kernel agrees to ~1e-6; in exact mode it calls the same function) and the trainer recomputes.
+    fp32 by the trainer's own function (``chosen_token_logprobs``), the quantity the sampler reports for a rollout
+    without top-p / top-k (its fused kernel agrees to ~1e-6; in exact mode it calls the same function) and the
+    trainer recomputes; a truncated rollout reports the renormalized logprobs of its truncated distribution.
     Row ``i`` runs in slot ``i``; a row whose completion has ended keeps rewriting one unused position, as a
     frozen row does in ``generate``. Batch composition differs from the rollout that sampled the tokens
     (whose rows came and went), so on a GPU whose GEMM kernels depend on the row count the logprobs can differ
@@ -98,9 +99,17 @@ def _check(engine: Engine, prompts: list[list[int]], completions: list[list[int]
                          "score them in batches")
     if not temperature > 0:
         raise ValueError(f"score needs a temperature > 0, got {temperature}")
+    vocab, context = engine.config.vocab_size, engine.config.max_position_embeddings
     for i, (p, c) in enumerate(zip(prompts, completions)):
         if not p or not c:
             raise ValueError(f"pair {i}: prompt ({len(p)} tokens) and completion ({len(c)}) must be non-empty")
         if len(p) + len(c) > engine.max_len:
             raise ValueError(f"pair {i}: {len(p)} prompt + {len(c)} completion tokens exceed the engine's "
                              f"max_len={engine.max_len}; build the Engine with max_len >= {len(p) + len(c)}")
+        ids = [*p, *c]
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"pair {i} holds token ids outside [0, {vocab}): min {min(ids)}, max {max(ids)}")
+        if len(ids) - 1 > context:  # the last completion token is scored, never fed
+            raise ValueError(f"pair {i}: {len(p)} prompt + {len(c)} completion tokens need {len(ids) - 1} positions, "
+                             f"more than the model's context of {context} (max_position_embeddings): RoPE would "
+                             "run past it and the logprobs would be garbage")

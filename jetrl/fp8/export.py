@@ -60,4 +60,5 @@ def fp8_quantization_config(recipe: Recipe, modules_to_not_convert: list[str] | 
     }
     if modules_to_not_convert:
         config["modules_to_not_convert"] = list(modules_to_not_convert)
+        config["ignored_layers"] = list(modules_to_not_convert)  # vLLM before it read modules_to_not_convert too
     return config

@@ -14,6 +14,7 @@ Formats:
       "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                               "weight_block_size": [128, 128],
                               "modules_to_not_convert": ["lm_head", ...],   # nn.Linear kept BF16
+                              "ignored_layers": ["lm_head", ...],           # the same, for older vLLM
                               "jetrl_recipe": "jet"}                        # ignored by other readers
 
   each FP8 linear layer stores ``<layer>.weight`` as F8_E4M3 and ``<layer>.weight_scale_inv`` as
@@ -26,7 +27,9 @@ Formats:
   no default skips (not even ``lm_head``) once the list is given. A weight dim of more than 128
   that is not a multiple of 128 ends in a partial block: stored exactly, but transformers' CPU
   dequantization (5.17) takes the block size as ``dim // n_blocks`` and misreads it, so the export
-  warns (and counts such layers in its summary).
+  warns (and counts such layers in its summary). vLLM merges q/k/v and gate/up into one layer and
+  requires each member's output size to be a multiple of 128: where one is not (the tiny model's
+  64-wide k/v, SmolLM2's 192) the export warns that vLLM will not load it (``vllm_unmergeable_layers``).
 
 The tokenizer files of the source (``tokenizer.json``, ``tokenizer_config.json``,
 ``chat_template.jinja``, ``generation_config.json``, ...) are copied along.
@@ -163,10 +166,30 @@ def export_model(
                 "and misreads or rejects them; use --format bf16 for such a model if transformers on CPU must read it",
                 stacklevel=2,
             )
+        merged = _vllm_unmergeable(layers)
+        if merged:
+            warnings.warn(
+                f"{len(merged)} FP8 layer(s) that vLLM loads merged with their siblings (q/k/v, gate/up) have an "
+                f"output size that is not a multiple of 128 (e.g. {merged[0]}, weight "
+                f"{tuple(layers[merged[0]].weight.shape)}): vLLM's block-FP8 loader refuses such a merged layer, or "
+                "mis-places its per-block scales; jetrl and transformers load the file. Export with --format bf16 "
+                "for vLLM (models whose head and MLP sizes are multiples of 128, Qwen3's and Llama's, are fine)",
+                stacklevel=2,
+            )
         summary.update(fp8_layers=sum(1 for k in state if k.endswith(".weight_scale_inv")), recipe=model_recipe.name,
-                       partial_block_layers=len(partial))
+                       partial_block_layers=len(partial), vllm_unmergeable_layers=len(merged))
     summary["tokenizer_files"] = copy_tokenizer_files(tokenizer_from, out_dir) if tokenizer_from else []
     return summary
+
+
+VLLM_MERGED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # vLLM's QKVParallelLinear, MergedColumn...
+
+
+def _vllm_unmergeable(layers: dict) -> list[str]:
+    """FP8 layers vLLM merges with siblings (q/k/v, gate/up) whose output size is not a multiple of 128: its
+    ``Fp8LinearMethod.create_weights`` requires every partition of a merged block-FP8 layer to be."""
+    return [fqn for fqn, m in layers.items()
+            if fqn.rsplit(".", 1)[-1] in VLLM_MERGED and m.weight.shape[0] % BLOCK]
 
 
 def export_checkpoint(

@@ -234,6 +234,9 @@ def recipe_from_name(name: str) -> Recipe:
     return get_recipe(base, pow2_scale=suffix == "pow2")
 
 
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # weight_scale_inv dtypes read (as transformers, vLLM)
+
+
 def _dequantize_fp8(
     path: Path,
     codes: dict[str, torch.Tensor],
@@ -253,11 +256,12 @@ def _dequantize_fp8(
     for fqn, q in codes.items():
         s = scales[fqn]
         grid = (-(-q.shape[0] // BLOCK), -(-q.shape[1] // BLOCK))
-        if s.dtype != torch.float32 or tuple(s.shape) != grid:
+        if s.dtype not in SCALE_DTYPES or tuple(s.shape) != grid:
             raise CheckpointError(
                 f"{path}: {fqn}.weight_scale_inv is {s.dtype} {tuple(s.shape)}; a {tuple(q.shape)} weight in "
-                f"128x128 blocks needs float32 {grid}"
+                f"128x128 blocks needs float32 (or bfloat16 / float16) {grid}"
             )
+        s = s.float()  # hub checkpoints (Qwen3-*-FP8) store bf16 scales; every bf16 / fp16 value is an exact fp32
         state[f"{fqn}.weight"] = Float8Blocks(q, s, (BLOCK, BLOCK)).dequantize(dtype)
         out[fqn] = (q, s)
     return out

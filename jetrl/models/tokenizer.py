@@ -139,8 +139,15 @@ class Tokenizer:
         return int(token_id) in self.stop_token_ids
 
     def save(self, out_dir: str | Path) -> None:
-        """Write the tokenizer files (and chat template) into ``out_dir``."""
+        """Write the tokenizer files (and chat template) into ``out_dir``, and the source's
+        ``generation_config.json``: its ``eos_token_id`` list is part of ``stop_token_ids`` (instruct models stop
+        on several ids), which ``load_tokenizer`` of ``out_dir`` must read back -- a training checkpoint is
+        evaluated, resumed and exported from."""
         self.hf.save_pretrained(str(out_dir))
+        if self.source is not None:
+            src, dst = self.source / "generation_config.json", Path(out_dir) / "generation_config.json"
+            if src.is_file() and src.resolve() != dst.resolve():
+                shutil.copyfile(src, dst)
 
     def __repr__(self) -> str:
         return (

@@ -62,6 +62,13 @@ class RolloutBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def token_mask(self) -> Tensor:
+        """(B, T) 1.0 on every completion token, whether or not it counts in the loss (``completion_mask`` drops
+        truncated completions under ``mask_truncated_completions``): what the rollout sampled, where the
+        trainer-vs-rollout mismatch is measured."""
+        positions = torch.arange(self.completion_ids.shape[1])
+        return (positions[None, :] < self.completion_lengths.cpu()[:, None]).float()
+
     def select(self, index: Tensor | slice) -> RolloutBatch:
         """Rows ``index`` (a micro-batch), trimmed to their own longest sequence."""
         parts = {f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[index]) for f in fields(self)}

@@ -48,12 +48,19 @@ def checkpoint_root(run_dir: str | Path) -> Path:
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The last complete checkpoint of ``run_dir``, or None."""
+    """The checkpoint ``latest`` points at, if it is complete, or None. ``latest`` is a file holding a step
+    directory's name, as :func:`save_checkpoint` writes it, or a symlink to one."""
     pointer = checkpoint_root(run_dir) / "latest"
     if not pointer.exists():
         return None
-    path = checkpoint_root(run_dir) / pointer.read_text().strip()
+    path = pointer.resolve() if pointer.is_dir() else checkpoint_root(run_dir) / pointer.read_text().strip()
     return path if (path / STATE_FILE).exists() else None
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Every step directory of ``run_dir`` that holds its trainer state, oldest first."""
+    root = checkpoint_root(run_dir)
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and ".tmp-" not in p.name and (p / STATE_FILE).is_file())
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, tokenizer: Any, optimizer: torch.optim.Optimizer,

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from jetrl.engine.sampling import GREEDY_BELOW
 from jetrl.rl.loss import LOSS_TYPES
 
 
@@ -40,7 +41,8 @@ class GRPOConfig:
     generation_batch_size: int = _f(64, "completions per RL step (a multiple of num_generations)")
     max_prompt_length: int = _f(256, "prompts longer than this (in tokens) are an error at start")
     max_completion_length: int = _f(256, "maximum new tokens per completion")
-    temperature: float = _f(1.0, "sampling temperature of the rollout")
+    temperature: float = _f(1.0, "sampling temperature of the rollout; the trainer's logprobs are of the same "
+                            "tempered distribution, softmax(logits / T), as TRL's")
     top_p: float = _f(1.0, "nucleus sampling mass of the rollout")
     top_k: int = _f(0, "top-k of the rollout (0 = off)")
     # --- update
@@ -58,7 +60,8 @@ class GRPOConfig:
     dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose rewards are all equal")
     reward_weights: list[float] | None = _f(None, "weights of the reward functions (None = all 1)")
     # --- precision flow and off-policy handling
-    old_logprobs: str = _f("auto", "'recompute' (trainer pass), 'rollout' (reuse; only on-policy recipes), 'auto'")
+    old_logprobs: str = _f("auto", "'recompute' (trainer pass), 'rollout' (reuse the rollout's: an on-policy recipe, "
+                           "top_p=1, top_k=0 and no rollout_correction), or 'auto' (rollout where it may)")
     rollout_correction: str = _f("none", "'none', 'tis' (truncated IS) or 'mis' (masked IS / IcePop)")
     rollout_correction_threshold: float = _f(2.0, "C of TIS/MIS (> 1)")
     nonfinite_step: str = _f("skip", "a step whose loss or gradient is NaN/Inf: 'skip' it or 'stop' the run")
@@ -95,7 +98,8 @@ class GRPOConfig:
                              "minus its group's mean, so a group of one has zero advantage and nothing is learned")
         checks = [
             (0 < self.learning_rate < math.inf, "learning_rate", "must be > 0 and finite"),
-            (0 < self.temperature < math.inf, "temperature", "must be > 0 and finite for RL sampling"),
+            (GREEDY_BELOW <= self.temperature < math.inf, "temperature",
+             f"must be >= {GREEDY_BELOW} and finite for RL sampling (below it the engine decodes greedily)"),
             (0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)"),
             (0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)"),
             (0 <= self.weight_decay < math.inf, "weight_decay", "must be >= 0 and finite"),
@@ -106,7 +110,8 @@ class GRPOConfig:
             (self.top_k >= 0, "top_k", "must be >= 0"),
             (0 <= self.epsilon < 1, "epsilon", "must be in [0, 1)"),
             (self.epsilon_high is None or self.epsilon_high >= 0, "epsilon_high", "must be >= 0"),
-            (self.beta >= 0, "beta", "must be >= 0"),
+            (0 <= self.beta < math.inf, "beta", "must be >= 0 and finite"),
+            (0 <= self.overlong_penalty_factor < math.inf, "overlong_penalty_factor", "must be >= 0 and finite"),
             (self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0"),
             (self.warmup_steps >= 0, "warmup_steps", "must be >= 0"),
             (self.loss_type in LOSS_TYPES, "loss_type", f"must be one of {LOSS_TYPES}"),
@@ -137,8 +142,10 @@ class GRPOConfig:
 
     @property
     def optimizer_steps_per_rl_step(self) -> int:
+        """Per epoch over the rollout batch, one step per gradient_accumulation_steps micro-batches, the last one on
+        what is left (as the trainer's update loop groups them)."""
         micro = self.generation_batch_size // self.per_device_train_batch_size
-        return max(1, self.num_iterations * micro // self.gradient_accumulation_steps)
+        return self.num_iterations * -(-micro // self.gradient_accumulation_steps)
 
     @classmethod
     def field_help(cls) -> dict[str, str]:

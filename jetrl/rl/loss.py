@@ -4,9 +4,12 @@ Per completion token t of sequence i (mask m_it = 1 for completion tokens, 0 for
 padding, so those contribute nothing):
 
     ratio_it = exp(lp_it - old_lp_it)
-    l_it     = -min(ratio_it A_i, clip(ratio_it, 1 - eps_low, 1 + eps_high) A_i)     PPO-clip
-             + beta * k3_it,   k3_it = exp(ref_it - lp_it) - (ref_it - lp_it) - 1     KL to a reference
-    l_it    *= w_it                                                                  rollout correction (TIS/MIS)
+    l_it     = -min(ratio_it A_i, clip(ratio_it, 1 - eps_low, 1 + eps_high) A_i) w_it   PPO-clip, weighted by
+                                                                                     the rollout correction (TIS/MIS)
+             + beta * k3_it,   k3_it = exp(ref_it - lp_it) - (ref_it - lp_it) - 1     KL to a reference, unweighted
+
+The correction weights the policy-gradient term only, as TRL weights it by its importance-sampling ratio: they
+correct for the sampler being another policy, which the KL to the reference does not depend on.
 
 eps_high > eps_low is DAPO's clip-higher. Aggregation (TRL's ``loss_type`` names):
 
@@ -59,14 +62,14 @@ def policy_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
+    if token_weights is not None:
+        per_token = per_token * token_weights.detach()
     kl = None
     if beta != 0.0:
         if ref_logprobs is None:
             raise ValueError("beta > 0 needs ref_logprobs (the reference model's per-token logprobs)")
         kl = k3_kl(logprobs, ref_logprobs)
         per_token = per_token + beta * kl
-    if token_weights is not None:
-        per_token = per_token * token_weights.detach()
     loss = _aggregate(per_token, mask, loss_type, num_items_in_batch, max_completion_length)
 
     with torch.no_grad():

@@ -102,12 +102,29 @@ class GRPOTrainer:
         self.nonfinite_steps = 0
 
     def _resolve_old_logprobs(self, choice: str) -> str:
+        """Where pi_old comes from. The rollout's logprobs can stand in for it only where they are the trainer's:
+        an on-policy recipe, and sampling from the tempered distribution itself (a top-p / top-k rollout reports the
+        logprobs of the truncated distribution it sampled from, which the loss's pi is not); and a rollout correction
+        compares the two, so it needs the trainer's pass."""
+        args = self.args
         same_graph = self.policy_report["on_policy"] and self.recipe.train.is_fp8 == self.recipe.rollout.is_fp8
+        truncated = args.top_p < 1 or args.top_k > 0
         if choice == "auto":
-            return "rollout" if same_graph and self.recipe.train.is_fp8 else "recompute"
-        if choice == "rollout" and not self.policy_report["on_policy"]:
-            raise ValueError(f"grpo.old_logprobs='rollout' needs an on-policy recipe; {self.recipe.name!r} is "
-                             "off-policy (its rollout graph differs from training): use 'recompute'")
+            reuse = same_graph and self.recipe.train.is_fp8 and not truncated and args.rollout_correction == "none"
+            return "rollout" if reuse else "recompute"
+        if choice == "rollout":
+            if not self.policy_report["on_policy"]:
+                raise ValueError(f"grpo.old_logprobs='rollout' needs an on-policy recipe; {self.recipe.name!r} is "
+                                 "off-policy (its rollout graph differs from training): use 'recompute'")
+            if truncated:
+                raise ValueError(f"grpo.old_logprobs='rollout' with grpo.top_p={args.top_p} / grpo.top_k={args.top_k}: "
+                                 "the rollout's logprobs are of the truncated distribution it sampled from, not the "
+                                 "policy the loss trains; use 'recompute' (or 'auto'), or top_p=1 and top_k=0")
+            if args.rollout_correction != "none":
+                raise ValueError(f"grpo.rollout_correction={args.rollout_correction!r} compares the trainer's old "
+                                 "logprobs with the rollout's, which grpo.old_logprobs='rollout' makes the same tensor "
+                                 "(every weight 1); use old_logprobs='recompute' (or 'auto'), or "
+                                 "rollout_correction='none'")
         return choice
 
     def _resolve_train_graphs(self, choice: str) -> TrainingGraphs | None:
@@ -184,7 +201,7 @@ class GRPOTrainer:
         if self.old_logprobs_source == "recompute":
             with torch.no_grad():
                 batch.old_logprobs = self._forward_logprobs(self.model, batch, self.graphed_hidden_states())
-            metrics.update(mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, batch.completion_mask))
+            metrics.update(mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, batch.token_mask()))
         else:
             batch.old_logprobs = batch.rollout_logprobs.clone()
         if self.ref_model is not None:
@@ -193,9 +210,9 @@ class GRPOTrainer:
 
     def _forward_logprobs(self, model: nn.Module, batch: RolloutBatch,
                           hidden: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        size = self.args.per_device_train_batch_size
-        parts = [completion_logprobs(model, batch.select(slice(i, i + size)), hidden_states=hidden)[0].cpu()
-                 for i in range(0, len(batch), size)]
+        size, temperature = self.args.per_device_train_batch_size, self.args.temperature
+        parts = [completion_logprobs(model, batch.select(slice(i, i + size)), temperature,
+                                     hidden_states=hidden)[0].cpu() for i in range(0, len(batch), size)]
         width = batch.completion_ids.shape[1]
         return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
 
@@ -218,10 +235,12 @@ class GRPOTrainer:
                 group = starts[group_start: group_start + accum]
                 rows = [slice(s, s + size) for s in group]
                 tokens = sum(float(batch.completion_mask[r].sum()) for r in rows)
+                sequences = sum(len(range(len(batch))[r]) for r in rows)
                 losses = []
                 for r in rows:
                     sub = batch.select(r)
-                    lp, entropy = completion_logprobs(self.model, sub, with_entropy=True, hidden_states=hidden)
+                    lp, entropy = completion_logprobs(self.model, sub, args.temperature, with_entropy=True,
+                                                      hidden_states=hidden)
                     mask = sub.completion_mask.to(lp.device)
                     loss, stats = policy_loss(
                         lp, sub.old_logprobs.to(lp.device), sub.advantages.to(lp.device), mask,
@@ -229,8 +248,7 @@ class GRPOTrainer:
                         beta=args.beta, ref_logprobs=None if sub.ref_logprobs is None else sub.ref_logprobs.to(lp.device),
                         token_weights=None if weights is None else weights[r][:, : lp.shape[1]].to(lp.device),
                         num_items_in_batch=max(tokens, 1.0), max_completion_length=args.max_completion_length)
-                    if args.loss_type != "dapo":
-                        loss = loss / len(rows)
+                    loss = loss * _micro_batch_weight(args.loss_type, len(sub), len(rows), sequences)
                     loss.backward()
                     losses.append(loss.detach())
                     micro += 1
@@ -239,7 +257,7 @@ class GRPOTrainer:
                     entropy_sum += float((entropy * mask).sum())
                     entropy_count += float(mask.sum())
                     if iteration == 0 and group_start == 0:  # before this step's first optimizer update
-                        first_pass.append((lp.detach().cpu(), sub.rollout_logprobs, sub.completion_mask))
+                        first_pass.append((lp.detach().cpu(), sub.rollout_logprobs, sub.token_mask()))
                 grad_norms.append(self._optimizer_step(torch.stack(losses).sum()))
         metrics.update({k: v / max(micro, 1) for k, v in stats_sum.items()})
         metrics["entropy"] = entropy_sum / max(entropy_count, 1.0)
@@ -291,6 +309,19 @@ class GRPOTrainer:
         self.optimizer_steps = state["optimizer_steps"]
         self.nonfinite_steps = state["nonfinite_steps"]
         refresh_weight_caches(self.model)
+
+
+def _micro_batch_weight(loss_type: str, rows: int, micro_batches: int, sequences: int) -> float:
+    """What a micro-batch's loss is multiplied by so that one optimizer step's sum is the loss_type's aggregate over
+    its whole accumulation group: ``dapo`` normalizes by the group's tokens already (1); ``grpo`` (a mean over
+    sequences) and ``dr_grpo`` (a sum over sequences x max length) weigh by the micro-batch's share of the group's
+    sequences, so a short last micro-batch (dynamic sampling) does not count its sequences double; ``bnpo`` averages
+    the micro-batches' token means, as TRL's gradient accumulation does."""
+    if loss_type == "dapo":
+        return 1.0
+    if loss_type == "bnpo":
+        return 1.0 / micro_batches
+    return rows / sequences
 
 
 def _mismatch_of(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[str, float]:

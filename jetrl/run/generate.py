@@ -16,7 +16,10 @@ import torch
 
 from jetrl.data.records import to_messages
 from jetrl.engine import Engine, SamplingParams
-from jetrl.run.models import load_model
+from jetrl.engine.engine import check_context
+from jetrl.models.loader import load_config
+from jetrl.models.tokenizer import load_tokenizer
+from jetrl.run.models import load_model, model_path
 
 
 def read_prompts(prompts: list[str] | None, prompts_file: str | None) -> list[Any]:
@@ -56,11 +59,14 @@ def generate_main(model: str, prompts: list[Any], *, recipe: str = "jet", dtype:
                   seed: int = 0, stop: list[str] | None = None, raw: bool = False, logprobs: bool = False,
                   device: str | None = None) -> list[list[Any]]:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    net, tokenizer, _ = load_model(model, dtype, recipe=recipe, device=device)
-    prompt_ids = encode_prompts(tokenizer, prompts, raw)
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                             seed=seed, stop=tuple(stop or ()))
+    # the prompts and the model's context are checked before its weights load (the tokenizer and config.json only)
+    path = model_path(model)
+    prompt_ids = encode_prompts(load_tokenizer(path), prompts, raw)
     max_len = max(len(p) for p in prompt_ids) + max_tokens + 1
+    check_context(prompt_ids, max_tokens, max_len, load_config(path).max_position_embeddings)
+    net, tokenizer, _ = load_model(str(path), dtype, recipe=recipe, device=device)
     engine = Engine(net, tokenizer, max_slots=max(n, min(64, n * len(prompt_ids))), max_len=max_len)
     groups = engine.generate(prompt_ids, params)
     for i, group in enumerate(groups):

@@ -38,6 +38,15 @@ def model_path(name: str) -> Path:
     return resolve_checkpoint(path)
 
 
+BUILTIN_MODELS = ("tiny", "smollm2")
+
+
+def pinned_model_name(name: str, source: Path) -> str:
+    """What a run records as its start: a built-in's name (rebuilt identically), else the absolute checkpoint
+    directory ``name`` resolved to (a run directory's ``latest`` moves on as that run trains)."""
+    return name if name in BUILTIN_MODELS else str(Path(source).resolve())
+
+
 def load_model(name: str, dtype: str = "float32", recipe: str | None = None,
                device: str | torch.device = "cpu") -> tuple[nn.Module, Any, Path]:
     """(model, tokenizer, checkpoint dir) for a model name; ``recipe`` converts the model."""

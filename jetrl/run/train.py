@@ -26,14 +26,20 @@ import yaml
 from jetrl.data import encode_prompts
 from jetrl.exact import exact_requested, use_exact
 from jetrl.rewards import resolve_reward_funcs
-from jetrl.rl.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from jetrl.rl.checkpoint import (
+    checkpoint_root,
+    complete_checkpoints,
+    latest_checkpoint,
+    load_trainer_state,
+    save_checkpoint,
+)
 from jetrl.rl.logger import MetricsLogger
 from jetrl.rl.metrics import MISMATCH_KEYS
 from jetrl.rl.trainer import GRPOTrainer
 from jetrl.run.config import RunConfig, from_dict
 from jetrl.run.determinism import deterministic_algorithms
 from jetrl.run.evaluate import evaluate
-from jetrl.run.models import load_model
+from jetrl.run.models import load_model, pinned_model_name
 from jetrl.run.tasks import load_task
 
 
@@ -71,6 +77,13 @@ def _run_training(cfg: RunConfig, resume: bool) -> dict[str, Any]:
     _check_run_dir(run_dir, resume)
     checkpoint = latest_checkpoint(run_dir) if resume else None
     if resume and checkpoint is None:
+        complete = complete_checkpoints(run_dir)
+        if complete:
+            raise FileNotFoundError(
+                f"--resume: {checkpoint_root(run_dir) / 'latest'} does not point at a complete checkpoint, but "
+                f"{', '.join(p.name for p in complete)} {'is' if len(complete) == 1 else 'are'} complete: write the "
+                f"name of the one to resume from into it (e.g. echo {complete[-1].name} > "
+                f"{checkpoint_root(run_dir) / 'latest'})")
         raise FileNotFoundError(f"--resume: {run_dir} has no complete checkpoint to resume from")
 
     # cheap checks first: data and reward names fail before a model is built or loaded
@@ -80,6 +93,10 @@ def _run_training(cfg: RunConfig, resume: bool) -> dict[str, Any]:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={cfg.device!r} but this torch sees no CUDA GPU; use device=auto or device=cpu")
     model, tokenizer, source = load_model(cfg.model.name, cfg.model.dtype, recipe=cfg.recipe, device=device)
+    if not resume:
+        # a directory is recorded as the checkpoint it resolved to: another run's `latest` moves on, and a resume
+        # (its KL reference with beta > 0) must start from the very weights this run started from
+        cfg.model.name = pinned_model_name(cfg.model.name, source)
     trainer = GRPOTrainer(model, cfg.task.reward_funcs, cfg.grpo, train_records, tokenizer=tokenizer,
                           recipe=cfg.recipe, system_prompt=cfg.task.system_prompt)
     eval_ids = encode_prompts(eval_records, tokenizer, system_prompt=cfg.task.system_prompt,

@@ -213,7 +213,7 @@ def sample_triton(logits: torch.Tensor, params: SamplingParams, keys: torch.Tens
     the engine's, and a row's result depends on them (module docstring), so pass them only in tests
     and sweeps.
     """
-    assert not params.truncates, "top-k/top-p truncation is sample_reference's (a sort over the vocabulary)"
+    assert not params.truncates(logits.shape[-1]), "top-k/top-p truncation is sample_reference's (a vocabulary sort)"
     assert logits.dim() == 2 and logits.stride(-1) == 1 and logits.dtype in LOGIT_DTYPES, (
         logits.shape, logits.stride(), logits.dtype)
     B, V = logits.shape
