@@ -15,8 +15,9 @@ eps_high > eps_low is DAPO's clip-higher. Aggregation (TRL's ``loss_type`` names
 
     "grpo"     mean over sequences of (sum_t m l / sum_t m)         sequence-level mean
     "bnpo"     sum_it m l / sum_it m                                 token-level, this micro-batch
-    "dapo"     sum_it m l / num_items_in_batch                       token-level over the whole rollout
-                                                                    batch (so grad accumulation is exact)
+    "dapo"     sum_it m l / num_items_in_batch                       token-level over one optimizer step's
+                                                                    micro-batches (the trainer passes their
+                                                                    token count: grad accumulation is exact)
     "dr_grpo"  sum_it m l / (num_sequences * max_completion_length)
 
 Returns the loss and detached statistics (clip fractions, mean ratio, KL).
