@@ -90,6 +90,18 @@ def test_jsonl_round_trip_and_plain_format(tmp_path):
     a, b = load_records(plain)
     assert a == {"prompt": [{"role": "user", "content": "Q?"}], "ground_truth": "so #### 72", "task": "gsm"}
     assert b["ground_truth"] == "3"
+    # MATH / NuminaMath / open-r1 name the prompt "problem"; TRL's message content may be a list of text parts
+    other = tmp_path / "math.jsonl"
+    parts = [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}]
+    other.write_text(json.dumps({"problem": "1+1?", "solution": r"\boxed{2}"}) + "\n"
+                     + json.dumps({"prompt": [{"role": "user", "content": parts}], "answer": "4"}) + "\n")
+    c, d = load_records(other)
+    assert c["prompt"] == [{"role": "user", "content": "1+1?"}] and c["ground_truth"] == r"\boxed{2}"
+    assert d["prompt"] == [{"role": "user", "content": "What is 2+2?"}]
+    other.write_text(json.dumps({"prompt": [{"role": "user", "content": [{"type": "image_url", "url": "x"}]}],
+                                 "answer": "4"}) + "\n")
+    with pytest.raises(DatasetError, match="content part of type 'image_url'; only text parts"):
+        load_records(other)
 
 
 VERL_ROW = {
@@ -166,6 +178,14 @@ def test_split_eval():
     for bad in (True, "10"):
         with pytest.raises(TypeError, match="eval_size"):
             split_eval(records, bad)
+    # a problem that repeats (generators repeat easy ones) is held out whole and once: never trained on
+    repeated = records[:5] * 3 + records[5:8]
+    train, held_out = split_eval(repeated, 3, seed=0)
+    assert len(held_out) == 3 and len(set(map(_key, held_out))) == 3
+    assert not set(map(_key, train)) & set(map(_key, held_out))
+    assert len(train) == len(repeated) - sum(_key(r) in set(map(_key, held_out)) for r in repeated)
+    with pytest.raises(ValueError, match="holds out 8 of 8 distinct problems \\(18 records\\)"):
+        split_eval(repeated, 8)
 
 
 # ---------------------------------------------------------------- chat template
@@ -195,6 +215,9 @@ def test_encode_prompts_with_chat_template(byte_tokenizer):
     verl = [{**VERL_RECORD}]  # its own system message wins over the configured one
     text = byte_tokenizer.decode(encode_prompts(verl, byte_tokenizer, system_prompt="X")[0])
     assert text.startswith("<system>Be brief.\n<user>2+2?")
+    # a record built in Python with a plain-string prompt (TRL's standard format) is one user message
+    plain = encode_prompts([{"prompt": "2+2?", "ground_truth": "4"}], byte_tokenizer)[0]
+    assert byte_tokenizer.decode(plain) == "<user>2+2?\n<assistant>"
 
 
 def test_prompt_too_long_names_record_and_lengths(byte_tokenizer):

@@ -34,7 +34,17 @@ MATH_CASES = [  # (completion, gold, reward)
     ("I am not sure.", "5", 0.0),  # no answer at all
     ("", "5", 0.0),
     (r"\boxed{}", "5", 0.0),
-    (r"It is \boxed{12", "12", 1.0),  # unclosed box ignored; the last number still counts
+    (r"It is \boxed{12", "12", 0.0),  # cut inside its box: the digits there may be half an answer (\boxed{125})
+    (r"so \boxed{\frac{1}{2", "2", 0.0),
+    (r"\boxed{72}", "72.", 1.0),  # a gold answer is cleaned as a prediction is
+    ("The answer is $\\frac{3}{4}$", "3/4", 1.0),  # a LaTeX fraction is one number
+    ("The answer is $\\frac{3}{4}$", "4", 0.0),
+    ("So x = .5", "0.5", 1.0),
+    ("The answer is \u22125", "-5", 1.0),  # Unicode minus
+    ("#### Final Answer\nThe total is 81", "81", 1.0),  # a markdown heading is not a #### answer
+    (r"\boxed{1\,000}", "1000", 1.0),  # thin space between digit groups
+    (r"\boxed{1\,000}", "0", 0.0),
+    (r"\boxed{1 000}", "1000", 1.0),
     ("81", "81", 1.0),  # tiny-model style bare answer
     ("-4", "-4", 1.0),
     ("The answer is 4.", "-4", 0.0),
@@ -52,6 +62,19 @@ def test_math_reward_reads_answer_column_and_messages():
     assert math_reward(conversational, answer=["9"]) == [1.0]
     with pytest.raises(ValueError, match="gold-answer column"):
         math_reward([r"\boxed{9}"], prompt=["x"])
+    # per sample, the first gold column that is not None (a ground_truth column built from answer-only records)
+    assert math_reward([r"\boxed{None}", r"\boxed{5}"], ground_truth=[None, None], answer=["7", "5"]) == [0.0, 1.0]
+    with pytest.raises(ValueError, match="sample 1 has no gold answer"):
+        math_reward([r"\boxed{1}", r"\boxed{2}"], ground_truth=["1", None])
+
+
+def test_correctness_is_full_credit_from_the_tasks_answer_reward():
+    from jetrl.rewards import correctness_func, is_correct, reasoning_gym_reward
+
+    assert correctness_func(["format", "reasoning_gym"]) is reasoning_gym_reward
+    assert correctness_func(["format", "math", "reasoning_gym"]) is math_reward
+    assert correctness_func(["format", lambda completions, **kw: [0.0]]) is math_reward
+    assert [is_correct(r) for r in (1.0, 0.99, 0.05, 0.0, None, float("nan"))] == [True] + [False] * 5
 
 
 def test_math_reward_from_worker_threads():
@@ -133,3 +156,21 @@ def test_registry_errors():
         resolve_reward_funcs(["math", "math"])
     with pytest.raises(ValueError, match="column 'ground_truth' has 1 values for 2 completions"):
         compute_rewards("math", ["a", "b"], ground_truth=["1"])
+
+
+def test_evaluate_counts_full_credit_of_the_given_answer_reward():
+    """Held-out pass@k counts a sample correct on full credit only (a reasoning-gym scorer's 0.05 for a wrong answer
+    in the right form is not a pass), scored by the task's answer reward."""
+    from jetrl.engine import Completion
+    from jetrl.run.evaluate import evaluate
+
+    class Engine:
+        def generate(self, prompt_ids, params):
+            return [[Completion([1], [0.0], "stop", None, text) for text in ("a", "b", "c", "d")]]
+
+    def graded(completions, **kwargs):
+        return [{"a": 1.0, "b": 0.05, "c": None, "d": 0.0}[c] for c in completions]
+
+    result = evaluate(Engine(), [[1]], [{"ground_truth": "x"}], max_tokens=1, num_samples=4, temperature=1.0,
+                      correct_func=graded)
+    assert result["pass@1"] == 0.25 and result["pass@4"] == 1.0

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from jetrl.data.records import Message, Record
+from jetrl.data.records import Message, Record, to_messages
 
 
 class PromptTooLongError(ValueError):
@@ -51,8 +51,9 @@ def check_prompt_lengths(prompt_ids: Sequence[Sequence[int]], max_prompt_length:
 
 def encode_prompts(records: Sequence[Record], tokenizer: Any, *, system_prompt: str | None = None,
                    max_prompt_length: int | None = None) -> list[list[int]]:
-    """Prompt ids of every record; checked against ``max_prompt_length`` when it is given."""
-    prompt_ids = [encode_prompt(r["prompt"], tokenizer, system_prompt=system_prompt) for r in records]
+    """Prompt ids of every record; checked against ``max_prompt_length`` when it is given. A record's prompt
+    may be chat messages or a plain string (TRL's standard format), as the dataset loader takes it."""
+    prompt_ids = [encode_prompt(to_messages(r["prompt"]), tokenizer, system_prompt=system_prompt) for r in records]
     if max_prompt_length is not None:
         check_prompt_lengths(prompt_ids, max_prompt_length)
     return prompt_ids

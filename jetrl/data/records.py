@@ -39,8 +39,24 @@ def to_messages(prompt: str | Sequence[Mapping[str, Any]]) -> list[Message]:
             raise ValueError(f"prompt message {j} must be a mapping with 'role' and 'content', got {m!r:.80}")
         if m["role"] not in ROLES:
             raise ValueError(f"prompt message {j} has role {m['role']!r}; expected one of {', '.join(ROLES)}")
-        messages.append({"role": str(m["role"]), "content": str(m["content"])})
+        messages.append({"role": str(m["role"]), "content": _content_text(m["content"], j)})
     return messages
+
+
+def _content_text(content: Any, j: int) -> str:
+    """A message's content as text: a string, or TRL's / OpenAI's list of parts ``[{"type": "text", "text": ...}]``
+    joined (a part of another type -- an image -- has no text form here: an error, never its repr)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence) and all(isinstance(p, Mapping) for p in content):
+        texts = []
+        for part in content:
+            if part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"prompt message {j} has a content part of type {part.get('type')!r}; only text "
+                                 "parts ({'type': 'text', 'text': ...}) are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ValueError(f"prompt message {j} content must be a string or a list of text parts, got {content!r:.80}")
 
 
 def json_safe(value: Any) -> Any:

@@ -13,7 +13,9 @@ from jetrl.rewards.registry import (
     RewardError,
     RewardFunc,
     compute_rewards,
+    correctness_func,
     get_reward_func,
+    is_correct,
     resolve_reward_funcs,
 )
 from jetrl.rewards.rg import reasoning_gym_reward
@@ -24,10 +26,12 @@ __all__ = [
     "RewardFunc",
     "completion_text",
     "compute_rewards",
+    "correctness_func",
     "extract_answer",
     "find_boxed",
     "format_reward",
     "get_reward_func",
+    "is_correct",
     "is_equivalent",
     "math_reward",
     "reasoning_gym_reward",

@@ -6,14 +6,17 @@ states its final answer as ``\boxed{...}`` (what math-verify, Qwen-Math and most
 recipes use). ``extract_answer`` reads, first hit wins:
 
   1. the content of the *last* ``\boxed{...}``, braces balanced (``\boxed{\frac{1}{2}}``);
-     a ``\boxed{`` left unclosed by truncation is ignored;
-  2. the rest of the line after the *last* ``####`` (GSM8K's solution convention);
-  3. optionally, the last plain number in the text (``-3``, ``1,000``, ``2.5``, ``3/4``):
-     lm-eval's "flexible extract". It lets a tiny model trained from scratch that answers
-     ``81`` (no LaTeX) earn the math reward; the format reward is what pushes ``\boxed{}``.
+     a ``\boxed{`` left unclosed by truncation is ignored, and so is the text after it;
+  2. the rest of the line after the *last* ``####`` (GSM8K's solution convention), if it holds a
+     digit: a markdown heading (``#### Final Answer``) is not an answer;
+  3. optionally, the last number in the text (``-3``, ``1,000``, ``2.5``, ``.5``, ``3/4``, or a
+     LaTeX ``\frac{3}{4}`` as a whole): lm-eval's "flexible extract". It lets a tiny model trained
+     from scratch that answers ``81`` (no LaTeX) earn the math reward; the format reward is what
+     pushes ``\boxed{}``. A Unicode minus (U+2212) reads as ``-``.
 
-The result is cleaned (surrounding ``$`` and whitespace, a trailing ``.``) and ``None`` means
-"no answer". Completions may be strings or TRL conversational lists of messages; the text of
+The result is cleaned (surrounding ``$`` and whitespace; a trailing ``.`` after a number or a
+one-word answer, not after a sentence; thin spaces between digit groups, ``1\,000``) and ``None``
+means "no answer". Completions may be strings or TRL conversational lists of messages; the text of
 the last message is used.
 """
 
@@ -23,8 +26,11 @@ import re
 from collections.abc import Mapping, Sequence
 
 _BOXED = re.compile(r"\\boxed\s*\{")
-# A thousands-grouped or plain integer, optional decimals or a /denominator.
-_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?")
+# A LaTeX fraction as a whole, else a thousands-grouped or plain integer with optional decimals (or bare
+# decimals, ``.5``) and an optional /denominator.
+_NUMBER = re.compile(r"-?\\[dt]?frac\{[^{}]*\}\{[^{}]*\}|-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:/\d+)?")
+# Spacing between digit groups of one number: 1\,000, 1~000, 1 000 (math-verify reads "1\,000" as 1 * 0).
+_GROUP_SPACE = re.compile(r"(?<=\d)(?:\\[,;:!]|\\ |~|\s)+(?=\d{3}(?!\d))")
 
 Completion = str | Sequence[Mapping[str, str]]
 
@@ -51,9 +57,10 @@ def find_boxed(text: str) -> list[str]:
     return found
 
 
-def _clean(answer: str) -> str | None:
-    answer = answer.strip().strip("$").strip()
-    answer = answer.removesuffix(".").strip()
+def clean_answer(answer: str) -> str | None:
+    answer = _GROUP_SPACE.sub("", answer.strip().strip("$").strip())
+    if answer.endswith(".") and (not any(c.isspace() for c in answer) or answer[-2:-1].isdigit()):
+        answer = answer[:-1].strip()  # "72." or "A.", not the period that ends a sentence answer
     return answer or None
 
 
@@ -61,11 +68,16 @@ def extract_answer(text: str, *, number_fallback: bool = True) -> str | None:
     """The final answer of ``text`` by the rules in the module docstring, or None."""
     boxed = find_boxed(text)
     if boxed:
-        return _clean(boxed[-1])
+        return clean_answer(boxed[-1])
+    opened = list(_BOXED.finditer(text))
+    if opened:  # no \boxed{ closes: truncated inside the answer, whose digits are not the answer
+        text = text[: opened[0].start()]
     if "####" in text:
-        return _clean(text.rsplit("####", 1)[1].split("\n", 1)[0])
+        line = text.rsplit("####", 1)[1].split("\n", 1)[0]
+        if any(c.isdigit() for c in line):
+            return clean_answer(line)
     if number_fallback:
-        numbers = _NUMBER.findall(text)
+        numbers = _NUMBER.findall(text.replace("\u2212", "-"))
         if numbers:
-            return numbers[-1]
+            return clean_answer(numbers[-1])
     return None

@@ -21,10 +21,10 @@ import functools
 import threading
 from typing import Any
 
-from jetrl.rewards.answer import Completion, completion_text, extract_answer
+from jetrl.rewards.answer import Completion, clean_answer, completion_text, extract_answer
 
 TIMEOUT_S = 5  # math-verify's parse/verify timeout in the main thread
-GOLD_COLUMNS = ("ground_truth", "answer", "solution")  # first present column wins
+GOLD_COLUMNS = ("ground_truth", "answer", "solution")  # per sample, the first of them that is not None
 
 
 @functools.cache
@@ -60,23 +60,33 @@ def is_equivalent(pred: str, gold: str) -> bool:
 
 
 def gold_answer(gold: Any) -> str:
-    """The answer inside a gold string: its boxed/#### answer if it has one, else all of it."""
+    """The answer inside a gold string: its boxed/#### answer if it has one, else all of it, cleaned as a
+    prediction is (a gold ``"72."`` is ``72``)."""
     text = str(gold)
-    return extract_answer(text, number_fallback=False) or text.strip()
+    return extract_answer(text, number_fallback=False) or clean_answer(text) or text.strip()
 
 
-def gold_column(kwargs: dict[str, Any], reward_name: str) -> list:
-    """The gold-answer column among the dataset columns TRL passes as kwargs."""
-    for key in GOLD_COLUMNS:
-        if kwargs.get(key) is not None:
-            return kwargs[key]
-    raise ValueError(f"the {reward_name} reward needs a gold-answer column: one of {', '.join(GOLD_COLUMNS)}; "
-                     f"got columns {sorted(kwargs) or 'none'}")
+def gold_column(kwargs: dict[str, Any], reward_name: str, n: int) -> list:
+    """Each of ``n`` samples' gold answer among the dataset columns TRL passes as kwargs: the first of
+    GOLD_COLUMNS that is not None *for that sample* (a ``ground_truth`` column built from records that hold an
+    ``answer`` instead is all None). A sample with none is an error, never the string "None"."""
+    columns = [(key, kwargs[key]) for key in GOLD_COLUMNS if kwargs.get(key) is not None]
+    if not columns:
+        raise ValueError(f"the {reward_name} reward needs a gold-answer column: one of {', '.join(GOLD_COLUMNS)}; "
+                         f"got columns {sorted(kwargs) or 'none'}")
+    golds = []
+    for i in range(n):
+        gold = next((col[i] for _, col in columns if col[i] is not None), None)
+        if gold is None:
+            raise ValueError(f"the {reward_name} reward: sample {i} has no gold answer (its "
+                             f"{', '.join(key for key, _ in columns)} are None); give every record one")
+        golds.append(gold)
+    return golds
 
 
 def math_reward(completions: list[Completion], **kwargs: Any) -> list[float]:
     """1.0 if the final answer of each completion equals its gold answer, else 0.0 (no answer: 0.0)."""
-    golds = gold_column(kwargs, "math")
+    golds = gold_column(kwargs, "math", len(completions))
     rewards = []
     for completion, gold in zip(completions, golds, strict=True):
         pred = extract_answer(completion_text(completion))

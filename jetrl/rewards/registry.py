@@ -29,6 +29,27 @@ REWARD_FUNCS: dict[str, RewardFunc] = {
 }
 
 
+ANSWER_REWARDS = ("math", "reasoning_gym")  # the registered rewards that score an answer right (1) or wrong
+
+
+def correctness_func(funcs: str | RewardFunc | Sequence[str | RewardFunc] | Mapping[str, RewardFunc]) -> RewardFunc:
+    """The reward that says whether an answer is right -- held-out accuracy and the rollout's ``accuracy`` metric --
+    for a task trained on ``funcs``: the first of them that scores answers ('math' or 'reasoning_gym'), else
+    'math'. A reasoning-gym task trained on its own scorer is evaluated by it too, not by math equivalence (which
+    takes a word and its anagram for equal products of symbols)."""
+    names = funcs if isinstance(funcs, Mapping) else [funcs] if isinstance(funcs, str) or callable(funcs) else funcs
+    for name in names:
+        if isinstance(name, str) and name in ANSWER_REWARDS:
+            return REWARD_FUNCS[name]
+    return math_reward
+
+
+def is_correct(reward: float | None) -> bool:
+    """Full credit: a reward of 1. reasoning-gym's scorers give partial credit (0.01-0.05 for a wrong answer in the
+    right form), which is not a correct answer; None (not applicable) and NaN are not either."""
+    return reward is not None and reward >= 1.0
+
+
 class RewardError(RuntimeError):
     """A reward function raised or returned something other than one number per completion."""
 

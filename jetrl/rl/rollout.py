@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from jetrl.engine import Engine, SamplingParams
-from jetrl.rewards import compute_rewards
+from jetrl.rewards import compute_rewards, is_correct
 from jetrl.rl.advantages import group_advantages, zero_signal_groups
 from jetrl.rl.batch import RolloutBatch
 from jetrl.rl.config import GRPOConfig
@@ -72,7 +72,7 @@ def rollout(engine: Engine, prompt_ids: list[list[int]], records: list[dict[str,
         metrics[f"rewards/{name}/mean"] = sum(values) / len(values)
     if accuracy_func is not None:
         correct = accuracy_func(texts, **columns)
-        metrics["accuracy"] = sum(correct) / len(correct)
+        metrics["accuracy"] = sum(is_correct(r) for r in correct) / len(correct)
     if not keep.any():
         return None, metrics, texts
     index = keep.nonzero().flatten().tolist()

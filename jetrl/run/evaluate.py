@@ -1,7 +1,8 @@
 """Held-out evaluation: pass@1 and pass@k with the rollout engine.
 
 For each problem, n samples are drawn (n = 1 and greedy by default) and c of them are
-correct (the math reward against the gold answer). With the unbiased estimator of Chen et
+correct: full credit (a reward of 1) from the task's answer reward (``correctness_func``: the
+math reward against the gold answer, or the reasoning-gym task's own scorer). With the unbiased estimator of Chen et
 al. (2021),
 
     pass@k = mean over problems of  1 - C(n - c, k) / C(n, k)        (k <= n)
@@ -17,7 +18,7 @@ from math import comb
 from typing import Any
 
 from jetrl.engine import Engine, SamplingParams
-from jetrl.rewards import math_reward
+from jetrl.rewards import correctness_func, is_correct, math_reward
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -40,7 +41,7 @@ def evaluate(engine: Engine, prompt_ids: list[list[int]], records: list[dict[str
         texts = [c.text or "" for c in group]
         correct = correct_func(texts, ground_truth=[record["ground_truth"]] * len(texts),
                                task=[record.get("task")] * len(texts), metadata=[record.get("metadata")] * len(texts))
-        c = int(sum(1 for r in correct if r and r > 0))
+        c = sum(1 for r in correct if is_correct(r))
         pass1 += c / num_samples
         passk += pass_at_k(num_samples, c, num_samples)
         length += sum(len(x.token_ids) for x in group) / num_samples
@@ -68,5 +69,5 @@ def evaluate_config(cfg: Any, model_name: str, *, num_samples: int | None = None
                                 max_prompt_length=cfg.grpo.max_prompt_length)
     engine = Engine(model, tokenizer, max_slots=max(n, 64), max_len=cfg.grpo.max_prompt_length + cfg.grpo.max_completion_length)
     result = evaluate(engine, prompt_ids, records, max_tokens=cfg.grpo.max_completion_length, num_samples=n,
-                      temperature=temp, seed=cfg.grpo.seed)
+                      temperature=temp, seed=cfg.grpo.seed, correct_func=correctness_func(cfg.task.reward_funcs))
     return {"model": str(path), "recipe": cfg.recipe, **result}

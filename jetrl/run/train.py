@@ -25,7 +25,7 @@ import yaml
 
 from jetrl.data import encode_prompts
 from jetrl.exact import exact_requested, use_exact
-from jetrl.rewards import resolve_reward_funcs
+from jetrl.rewards import correctness_func, resolve_reward_funcs
 from jetrl.rl.checkpoint import (
     checkpoint_root,
     complete_checkpoints,
@@ -97,8 +97,9 @@ def _run_training(cfg: RunConfig, resume: bool) -> dict[str, Any]:
         # a directory is recorded as the checkpoint it resolved to: another run's `latest` moves on, and a resume
         # (its KL reference with beta > 0) must start from the very weights this run started from
         cfg.model.name = pinned_model_name(cfg.model.name, source)
+    correct_func = correctness_func(cfg.task.reward_funcs)
     trainer = GRPOTrainer(model, cfg.task.reward_funcs, cfg.grpo, train_records, tokenizer=tokenizer,
-                          recipe=cfg.recipe, system_prompt=cfg.task.system_prompt)
+                          recipe=cfg.recipe, system_prompt=cfg.task.system_prompt, accuracy_func=correct_func)
     eval_ids = encode_prompts(eval_records, tokenizer, system_prompt=cfg.task.system_prompt,
                               max_prompt_length=cfg.grpo.max_prompt_length)
     cfg.run_dir = str(run_dir)
@@ -114,7 +115,7 @@ def _run_training(cfg: RunConfig, resume: bool) -> dict[str, Any]:
     def held_out() -> float:
         return evaluate(trainer.engine, eval_ids, eval_records, max_tokens=cfg.grpo.max_completion_length,
                         num_samples=cfg.eval.num_samples, temperature=cfg.eval.temperature,
-                        seed=cfg.grpo.seed)["pass@1"] if eval_records else None
+                        seed=cfg.grpo.seed, correct_func=correct_func)["pass@1"] if eval_records else None
 
     if checkpoint is not None:
         state = load_trainer_state(checkpoint, model, trainer.optimizer)
