@@ -55,8 +55,8 @@ from jetrl.exact import exact_requested
 from jetrl.overrides import ScopedOverride, env_choice
 
 M32 = 0xFFFFFFFF
-GREEDY_BELOW = 1e-5  # a temperature under this decodes greedily (vLLM's _SAMPLING_EPS)
 M64 = 0xFFFFFFFFFFFFFFFF
+GREEDY_BELOW = 1e-5  # a temperature under this decodes greedily (vLLM's _SAMPLING_EPS)
 
 
 @dataclass(frozen=True)

@@ -235,7 +235,7 @@ class GRPOTrainer:
                 group = starts[group_start: group_start + accum]
                 rows = [slice(s, s + size) for s in group]
                 tokens = sum(float(batch.completion_mask[r].sum()) for r in rows)
-                sequences = sum(len(range(len(batch))[r]) for r in rows)
+                sequences = sum(min(start + size, len(batch)) - start for start in group)
                 losses = []
                 for r in rows:
                     sub = batch.select(r)

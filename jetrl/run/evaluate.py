@@ -2,8 +2,8 @@
 
 For each problem, n samples are drawn (n = 1 and greedy by default) and c of them are
 correct: full credit (a reward of 1) from the task's answer reward (``correctness_func``: the
-math reward against the gold answer, or the reasoning-gym task's own scorer). With the unbiased estimator of Chen et
-al. (2021),
+math reward against the gold answer, or the reasoning-gym task's own scorer). With the
+unbiased estimator of Chen et al. (2021),
 
     pass@k = mean over problems of  1 - C(n - c, k) / C(n, k)        (k <= n)
 
