@@ -54,6 +54,22 @@ def test_synthetic_errors():
 # ---------------------------------------------------------------- reasoning-gym
 
 
+def test_reasoning_gym_scorers_get_the_metadata_they_compare_against(tmp_path):
+    """Records keep reasoning-gym's own metadata objects in memory (arc_agi's grids are tuples; JSON made them lists
+    and the scorer gave its own gold answer 0.05) and are written JSON-safe; a sentence answer keeps its period."""
+    pytest.importorskip("reasoning_gym")
+    from jetrl.rewards import reasoning_gym_reward
+
+    for task in ("arc_agi", "emoji_mystery"):
+        records = reasoning_gym_records(task, 2, seed=0)
+        golds = [r["ground_truth"] for r in records]
+        rewards = reasoning_gym_reward([rf"\boxed{{{g}}}" for g in golds], ground_truth=golds,
+                                       task=[task] * 2, metadata=[r["metadata"] for r in records])
+        assert rewards == [1.0, 1.0], task
+        save_records(records, tmp_path / f"{task}.jsonl")
+        assert len(load_records(tmp_path / f"{task}.jsonl")) == 2
+
+
 @pytest.mark.parametrize("task", ["gsm_symbolic", "basic_arithmetic", "chain_sum"])
 def test_reasoning_gym_records_agree_with_math_reward(task):
     pytest.importorskip("reasoning_gym")  # a test extra (pyproject), installed by CI; absent on the GPU machine

@@ -6,7 +6,7 @@ problem came from reasoning-gym, the synthetic generator or a user's verl parque
     {"prompt": [{"role": "user", "content": "What is 23 + 58?"}, ...],   # chat messages
      "ground_truth": "81",                                                # gold answer, a str
      "task": "synthetic",                                                 # source / scorer name
-     "metadata": {...}}                                                   # optional, JSON-safe
+     "metadata": {...}}                                                   # optional; JSON-safe in files
 
 ``prompt`` is always a list of chat messages (a plain string becomes one user message), so the
 tokenizer's chat template is the only place prompts are formatted. ``ground_truth`` and ``task``

@@ -6,7 +6,9 @@ on, and procedurally generated problems have exact gold answers and unlimited su
 * ``reasoning_gym_records`` wraps ``reasoning_gym.create_dataset(task, size=N, seed=S)``
   (gsm_symbolic: GSM8K-template word problems; basic_arithmetic, chain_sum: expressions). The
   question gets an instruction to box the answer (the convention of ``jetrl.rewards``); the
-  entry's metadata is kept JSON-safe so the ``reasoning_gym`` reward can use the task's scorer.
+  entry's metadata is kept as reasoning-gym made it, so the ``reasoning_gym`` reward gives the
+  task's scorer what it compares against (arc_agi's grids are tuples, which JSON would turn into
+  lists and the scorer into a mismatch); ``save_records`` writes it JSON-safe.
   Two seeds can generate the same problem; take a held-out set with ``split_eval``.
 * ``synthetic_split`` needs no dependency: "What is 23 + 58?" -> "81" over a finite problem
   space, for a tiny model trained from scratch. Problems are drawn without replacement with
@@ -46,7 +48,10 @@ def reasoning_gym_records(task: str, size: int, seed: int, *, instruction: str |
     records = []
     for entry in dataset:
         question = entry["question"] if instruction is None else f"{entry['question']}\n{instruction}"
-        records.append(make_record(question, entry["answer"], task, metadata=entry.get("metadata")))
+        record = make_record(question, entry["answer"], task, metadata=entry.get("metadata"))
+        if entry.get("metadata"):
+            record["metadata"] = dict(entry["metadata"])  # the scorer's own objects (module docstring)
+        records.append(record)
     return records
 
 
