@@ -68,6 +68,8 @@ def test_reasoning_gym_scorers_get_the_metadata_they_compare_against(tmp_path):
         assert rewards == [1.0, 1.0], task
         save_records(records, tmp_path / f"{task}.jsonl")
         assert len(load_records(tmp_path / f"{task}.jsonl")) == 2
+    with pytest.raises(ValueError, match="'graph_color' has no gold answers .*choose another task"):
+        reasoning_gym_records("graph_color", 2, seed=0)  # its scorer reads the metadata only
 
 
 @pytest.mark.parametrize("task", ["gsm_symbolic", "basic_arithmetic", "chain_sum"])

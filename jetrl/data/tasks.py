@@ -47,6 +47,10 @@ def reasoning_gym_records(task: str, size: int, seed: int, *, instruction: str |
                          f"see the task's config class in reasoning_gym") from e
     records = []
     for entry in dataset:
+        if entry["answer"] is None:
+            raise ValueError(f"reasoning-gym task {task!r} has no gold answers (its scorer checks an answer against "
+                             "each problem's metadata: boxnet, graph_color, propositional_logic, rubiks_cube, "
+                             "rush_hour, ...); jetrl's records need one: choose another task")
         question = entry["question"] if instruction is None else f"{entry['question']}\n{instruction}"
         record = make_record(question, entry["answer"], task, metadata=entry.get("metadata"))
         if entry.get("metadata"):
