@@ -45,6 +45,9 @@ MATH_CASES = [  # (completion, gold, reward)
     (r"\boxed{1\,000}", "1000", 1.0),  # thin space between digit groups
     (r"\boxed{1\,000}", "0", 0.0),
     (r"\boxed{1 000}", "1000", 1.0),
+    ("so it is 2^{10}", "10", 0.0),  # a power is one number, not its exponent
+    ("so it is 2^{10}", "1024", 1.0),
+    ("x^2 = 4", "4", 1.0),
     ("81", "81", 1.0),  # tiny-model style bare answer
     ("-4", "-4", 1.0),
     ("The answer is 4.", "-4", 0.0),

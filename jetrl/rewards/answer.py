@@ -9,8 +9,8 @@ recipes use). ``extract_answer`` reads, first hit wins:
      a ``\boxed{`` left unclosed by truncation is ignored, and so is the text after it;
   2. the rest of the line after the *last* ``####`` (GSM8K's solution convention), if it holds a
      digit: a markdown heading (``#### Final Answer``) is not an answer;
-  3. optionally, the last number in the text (``-3``, ``1,000``, ``2.5``, ``.5``, ``3/4``, or a
-     LaTeX ``\frac{3}{4}`` as a whole): lm-eval's "flexible extract". It lets a tiny model trained
+  3. optionally, the last number in the text (``-3``, ``1,000``, ``2.5``, ``.5``, ``3/4``, ``2^{10}``,
+     or a LaTeX ``\frac{3}{4}`` as a whole): lm-eval's "flexible extract". It lets a tiny model trained
      from scratch that answers ``81`` (no LaTeX) earn the math reward; the format reward is what
      pushes ``\boxed{}``. A Unicode minus (U+2212) reads as ``-``.
 
@@ -27,8 +27,9 @@ from collections.abc import Mapping, Sequence
 
 _BOXED = re.compile(r"\\boxed\s*\{")
 # A LaTeX fraction as a whole, else a thousands-grouped or plain integer with optional decimals (or bare
-# decimals, ``.5``) and an optional /denominator.
-_NUMBER = re.compile(r"-?\\[dt]?frac\{[^{}]*\}\{[^{}]*\}|-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:/\d+)?")
+# decimals, ``.5``), an optional /denominator and an optional power (``2^{10}`` is one number, not 10).
+_NUMBER = re.compile(r"-?\\[dt]?frac\{[^{}]*\}\{[^{}]*\}"
+                     r"|-?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:/\d+)?(?:\^(?:\{-?\d+\}|-?\d+))?")
 # Spacing between digit groups of one number: 1\,000, 1~000, 1 000 (math-verify reads "1\,000" as 1 * 0).
 _GROUP_SPACE = re.compile(r"(?<=\d)(?:\\[,;:!]|\\ |~|\s)+(?=\d{3}(?!\d))")
 
