@@ -113,7 +113,7 @@ if os.environ.get("CANDIDATES") == "sectors":
 
 
 def sass_only() -> None:
-    from jetrl.bench.sass import compile_like_launch, sass
+    from jetrl.bench.sass import compile_like_launch, registers, sass
 
     m, k = 9216, 4096
     ptrs = {"x_ptr": torch.empty(1, dtype=torch.bfloat16), "codes_ptr": torch.empty(1, dtype=torch.uint8),
@@ -128,63 +128,61 @@ def sass_only() -> None:
         text = sass(compiled)
         ops = collections.Counter(re.findall(r"\b((?:LDG|STG|LDS|STS|SHFL|BAR)[.\w]*)", text))
         total = len(re.findall(r"^\s+/\*[0-9a-f]{4,6}\*/", text, re.MULTILINE))
-        regs = _registers(compiled)
+        regs = registers(compiled)
         print(f"{spt_m} x {spt_k} bare {bare}, warps {warps}: {total} SASS instructions, shared {compiled.metadata.shared} B, "
               f"{dict(sorted(ops.items()))}, {regs} registers")
 
 
-def _registers(compiled) -> str:
-    """Registers per thread of a compiled kernel (cuobjdump's resource usage)."""
-    import subprocess
-    import tempfile
+def shipped_baseline(m: int, k: int, dev: torch.device) -> tuple:
+    """(x, refs, bytes, µs, row) for an (m, k) sweep shape: a random bf16 x with a NaN group in each layout and a
+    zero one, the shipped pass's outputs at both scale modes (the candidates' reference), its bytes moved and its
+    time under CUDA-graph replay, and the shape's result row (also the TMA sweep's)."""
+    from jetrl.bench.timing import graph_time_us
+    from jetrl.fp8.kernels.quant_triton import quantize_dual_triton
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    found = re.search(r"REG:(\d+)", usage)
-    return found.group(1) if found else "?"
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16) * 3
+    x[5, 7] = float("nan")
+    x[300 % m, : min(k, 128)] = 0.0
+    nbytes = x.numel() * 4 + (m * triton.cdiv(k, 128) + k * triton.cdiv(m, 128)) * 4
+    refs = {p: quantize_dual_triton(x, p) for p in (False, True)}
+    base_us = graph_time_us(partial(quantize_dual_triton, x, False), dev, calls=10, replays=20)
+    print(f"{m}x{k}: shipped {base_us:.1f} us, {nbytes / base_us / 1e6:.2f} TB/s", flush=True)
+    return x, refs, nbytes, base_us, {"shape": [m, k], "shipped_us": base_us, "shipped_tb_s": nbytes / base_us / 1e6,
+                                      "candidates": []}
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype == E4M3 else t.view(torch.int32)
+def candidate_row(name: str, run, x: torch.Tensor, refs: dict, nbytes: int, base_us: float) -> dict:
+    """A candidate ``run(x, pow2)`` of the dual-layout pass checked bit for bit against ``refs[pow2]`` (the shipped
+    pass's four outputs) at both scale modes, then timed under CUDA-graph replay against ``base_us`` (also the
+    TMA sweep's, bench/sweep_quant_dual_tma.py)."""
+    from jetrl.bench.checks import bit_equal
+    from jetrl.bench.timing import graph_time_us
+
+    equal = all(bit_equal(a, b) for p in (False, True) for a, b in zip(run(x, p), refs[p]))
+    us = graph_time_us(partial(run, x, False), x.device, calls=10, replays=20)
+    return {"name": name, "us": us, "tb_s": nbytes / us / 1e6, "bit_equal": equal, "vs_shipped": base_us / us}
 
 
 def main() -> None:
-    from jetrl.bench.timing import graph_time_us
-    from jetrl.fp8.kernels.quant_triton import quantize_dual_triton
+    from jetrl.bench.report import guarded
 
     dev = torch.device("cuda")
     out = {"rows": []}
     for m, k in ((8192, 4096), (9216, 4096), (9216, 12288), (1000, 576)):
-        torch.manual_seed(0)
-        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16) * 3
-        x[5, 7] = float("nan")  # a NaN group in each layout
-        x[300, 100:228] = 0.0
-        nbytes = x.numel() * 4 + (m * triton.cdiv(k, 128) + k * triton.cdiv(m, 128)) * 4
-        refs = {p: quantize_dual_triton(x, p) for p in (False, True)}
-        base_us = graph_time_us(partial(quantize_dual_triton, x, False), dev, calls=10, replays=20)
-        row = {"shape": [m, k], "shipped_us": base_us, "shipped_tb_s": nbytes / base_us / 1e6, "candidates": []}
-        print(f"{m}x{k}: shipped {base_us:.1f} us, {nbytes / base_us / 1e6:.2f} TB/s", flush=True)
+        x, refs, nbytes, base_us, row = shipped_baseline(m, k, dev)
         for spt_m, spt_k, bare in CANDIDATES:
-            label = f"regs {spt_m}x{spt_k} bare={bare}"
-            try:
-                equal = all(torch.equal(bits(a), bits(b)) for p in (False, True)
-                            for a, b in zip(dual_regs(x, p, spt_m, bare, spt_k), refs[p]))
-                us = graph_time_us(partial(dual_regs, x, False, spt_m, bare, spt_k), dev, calls=10, replays=20)
-                cand = {"label": label, "us": us, "tb_s": nbytes / us / 1e6, "bit_equal": equal,
-                        "vs_shipped": base_us / us}
-            except Exception as exc:  # noqa: BLE001 -- recorded; the other candidates still run
-                cand = {"label": label, "error": f"{type(exc).__name__}: {exc}"[:400]}
+            name = f"regs {spt_m}x{spt_k} bare={bare}"
+            run = partial(dual_regs, spt_m=spt_m, bare=bare, spt_k=spt_k)
+            cand = guarded(name, partial(candidate_row, name, run, x, refs, nbytes, base_us))
             row["candidates"].append(cand)
             print("  ", cand, flush=True)
         out["rows"].append(row)
     print("\nshape            shipped TB/s   candidates (TB/s, x shipped, bit-equal)")
     for row in out["rows"]:
         print(f"{row['shape']}  {row['shipped_tb_s']:.2f}   " + "; ".join(
-            f"{c['label']} {c['tb_s']:.2f} {c['vs_shipped']:.2f}x {c['bit_equal']}" if "us" in c else
-            f"{c['label']} ERROR" for c in row["candidates"]))
+            f"{c['name']} {c['tb_s']:.2f} {c['vs_shipped']:.2f}x {c['bit_equal']}" if "us" in c else
+            f"{c['name']} ERROR" for c in row["candidates"]))
     with open(os.path.join(os.environ.get("OUT", "."), "sweep_quant_dual_regs.json"), "w") as f:
         json.dump(out, f, indent=1)
 

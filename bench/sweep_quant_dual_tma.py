@@ -24,9 +24,10 @@ from functools import partial
 import torch
 import triton
 import triton.language as tl
+from sweep_quant_dual_regs import candidate_row, shipped_baseline  # bench/, this script's directory
 
-from jetrl.bench.timing import graph_time_us
-from jetrl.fp8.kernels.quant_triton import _quantize_rows, quantize_dual_triton
+from jetrl.bench.report import guarded
+from jetrl.fp8.kernels.quant_triton import _quantize_rows
 from jetrl.fp8.quant import E4M3
 
 
@@ -74,35 +75,15 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     out = {"rows": []}
     for m, k in ((8192, 4096), (9216, 4096), (9216, 12288)):
-        torch.manual_seed(0)
-        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16) * 3
-        x[5, 7] = float("nan")  # a NaN group in each layout
-        x[300, 1000] = 0.0
-        nbytes = x.numel() * 4 + (m * (k // 128) + k * (m // 128)) * 4
-        ref = quantize_dual_triton(x, False)
-        ref_pow2 = quantize_dual_triton(x, True)
-        base_us = graph_time_us(partial(quantize_dual_triton, x, False), dev, calls=10, replays=20)
-        row = {"shape": [m, k], "shipped_us": base_us, "shipped_tb_s": nbytes / base_us / 1e6, "candidates": []}
-        print(f"{m}x{k}: shipped {base_us:.1f} us, {nbytes / base_us / 1e6:.2f} TB/s", flush=True)
+        x, refs, nbytes, base_us, row = shipped_baseline(m, k, dev)
         for trans_bf16 in (True, False):
             for warps in (4, 8):
                 for stages in (1, 2, 3):
                     for per_sm in (1, 2, 3, 4, 0):  # 0: one program per tile (not persistent)
                         programs = per_sm * sms if per_sm else 10**9
-                        label = f"tma t{int(trans_bf16)} w{warps} s{stages} p{per_sm}"
-                        try:
-                            fn = partial(dual_tma, x, False, programs=programs, stages=stages, warps=warps,
-                                         trans_bf16=trans_bf16)
-                            got = fn()
-                            got_pow2 = dual_tma(x, True, programs=programs, stages=stages, warps=warps,
-                                                trans_bf16=trans_bf16)
-                            equal = all(torch.equal(a.view(torch.uint8) if a.dtype == E4M3 else a.view(torch.int32),
-                                                    b.view(torch.uint8) if b.dtype == E4M3 else b.view(torch.int32))
-                                        for a, b in zip((*got, *got_pow2), (*ref, *ref_pow2)))
-                            us = graph_time_us(fn, dev, calls=10, replays=20)
-                            cand = {"label": label, "us": us, "tb_s": nbytes / us / 1e6, "bit_equal": equal}
-                        except Exception as exc:  # noqa: BLE001 -- a candidate that fails to compile is recorded
-                            cand = {"label": label, "error": f"{type(exc).__name__}: {exc}"[:300]}
+                        name = f"tma t{int(trans_bf16)} w{warps} s{stages} p{per_sm}"
+                        run = partial(dual_tma, programs=programs, stages=stages, warps=warps, trans_bf16=trans_bf16)
+                        cand = guarded(name, partial(candidate_row, name, run, x, refs, nbytes, base_us))
                         row["candidates"].append(cand)
                         print("  ", cand, flush=True)
         out["rows"].append(row)
@@ -111,7 +92,7 @@ def main() -> None:
         ok = [c for c in row["candidates"] if c.get("bit_equal")]
         best = min(ok, key=lambda c: c["us"]) if ok else None
         print(f"{row['shape']}  {row['shipped_tb_s']:.2f}   "
-              + (f"{best['label']} {best['tb_s']:.2f} TB/s ({row['shipped_us'] / best['us']:.2f}x)" if best else "none"))
+              + (f"{best['name']} {best['tb_s']:.2f} TB/s ({best['vs_shipped']:.2f}x)" if best else "none"))
     path = os.path.join(os.environ.get("OUT", "."), "sweep_quant_dual_tma.json")
     with open(path, "w") as f:
         json.dump(out, f, indent=1)

@@ -93,13 +93,25 @@ def compile_like_launch(fn, args: dict[str, Any], constexprs: dict[str, Any], *,
 
 def sass(compiled) -> str:
     """The SASS of a compiled kernel, disassembled with Triton's bundled cuobjdump."""
+    return _cuobjdump(compiled, "-sass")
+
+
+def registers(compiled) -> int | None:
+    """Registers per thread of a compiled kernel (cuobjdump's resource usage): with the warps per CTA, what bounds
+    how many CTAs an SM holds."""
+    found = re.search(r"REG:(\d+)", _cuobjdump(compiled, "-res-usage"))
+    return int(found.group(1)) if found else None
+
+
+def _cuobjdump(compiled, flag: str) -> str:
+    """Triton's bundled cuobjdump ``flag`` on a compiled kernel's cubin."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
 
 
 def loop_mixes(compiled) -> list[LoopMix]:
