@@ -57,10 +57,25 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return path if (path / STATE_FILE).exists() else None
 
 
-def complete_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Every step directory of ``run_dir`` that holds its trainer state, oldest first."""
-    root = checkpoint_root(run_dir)
-    return sorted(p for p in root.glob("step_*") if p.is_dir() and ".tmp-" not in p.name and (p / STATE_FILE).is_file())
+def resume_checkpoint(run_dir: str | Path) -> Path:
+    """The checkpoint ``--resume`` continues from: the one ``latest`` points at. If that one is incomplete, the error
+    names the complete ones to point ``latest`` at instead."""
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is not None:
+        return checkpoint
+    pointer = checkpoint_root(run_dir) / "latest"
+    complete = [p.name for p in _step_dirs(checkpoint_root(run_dir)) if (p / STATE_FILE).is_file()]
+    if complete:
+        raise FileNotFoundError(
+            f"--resume: {pointer} does not point at a complete checkpoint, but {', '.join(complete)} "
+            f"{'is' if len(complete) == 1 else 'are'} complete: write the name of the one to resume from into it "
+            f"(e.g. echo {complete[-1]} > {pointer})")
+    raise FileNotFoundError(f"--resume: {run_dir} has no complete checkpoint to resume from")
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """The step directories under ``root``, oldest first (a half-written ``*.tmp-<pid>`` one is not one)."""
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and ".tmp-" not in p.name)
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, tokenizer: Any, optimizer: torch.optim.Optimizer,
@@ -88,7 +103,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, tokenizer:
         shutil.rmtree(final)
     os.replace(tmp, final)
     _atomic_write(root / "latest", name)
-    done = sorted(p for p in root.glob("step_*") if p.is_dir() and ".tmp-" not in p.name)
+    done = _step_dirs(root)
     for old in done[:-keep_last] if keep_last > 0 else []:
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
@@ -123,7 +138,7 @@ def load_trainer_state(path: str | Path, model: nn.Module, optimizer: torch.opti
 
 def _damaged(path: Path, err: Exception) -> str:
     """The message for a checkpoint that cannot be read: which one, why, and the older ones to resume from instead."""
-    older = sorted(p.name for p in path.parent.glob("step_*") if p.is_dir() and ".tmp-" not in p.name and p != path)
+    older = [p.name for p in _step_dirs(path.parent) if p != path]
     hint = (f"resume from an older one by writing its name ({', '.join(older)}) into {path.parent / 'latest'}"
             if older else "no older checkpoint is kept; start the run again")
     return f"checkpoint {path} cannot be read ({type(err).__name__}: {str(err).splitlines()[0][:200]}): {hint}"

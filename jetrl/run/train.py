@@ -26,13 +26,7 @@ import yaml
 from jetrl.data import encode_prompts
 from jetrl.exact import exact_requested, use_exact
 from jetrl.rewards import correctness_func, resolve_reward_funcs
-from jetrl.rl.checkpoint import (
-    checkpoint_root,
-    complete_checkpoints,
-    latest_checkpoint,
-    load_trainer_state,
-    save_checkpoint,
-)
+from jetrl.rl.checkpoint import load_trainer_state, resume_checkpoint, save_checkpoint
 from jetrl.rl.logger import MetricsLogger
 from jetrl.rl.metrics import MISMATCH_KEYS
 from jetrl.rl.trainer import GRPOTrainer
@@ -75,16 +69,7 @@ def _run_training(cfg: RunConfig, resume: bool) -> dict[str, Any]:
     torch.manual_seed(cfg.grpo.seed)
     run_dir = Path(cfg.run_dir or f"runs/{cfg.preset}-{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
     _check_run_dir(run_dir, resume)
-    checkpoint = latest_checkpoint(run_dir) if resume else None
-    if resume and checkpoint is None:
-        complete = complete_checkpoints(run_dir)
-        if complete:
-            raise FileNotFoundError(
-                f"--resume: {checkpoint_root(run_dir) / 'latest'} does not point at a complete checkpoint, but "
-                f"{', '.join(p.name for p in complete)} {'is' if len(complete) == 1 else 'are'} complete: write the "
-                f"name of the one to resume from into it (e.g. echo {complete[-1].name} > "
-                f"{checkpoint_root(run_dir) / 'latest'})")
-        raise FileNotFoundError(f"--resume: {run_dir} has no complete checkpoint to resume from")
+    checkpoint = resume_checkpoint(run_dir) if resume else None
 
     # cheap checks first: data and reward names fail before a model is built or loaded
     train_records, eval_records = load_task(cfg.task)
