@@ -23,8 +23,10 @@ ScaleRewards = Literal["group", "batch", "none"]
 
 
 def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: ScaleRewards = "group",
-                     eps: float = 1e-4) -> Tensor:
-    """rewards (num_prompts * G,), grouped contiguously -> advantages of the same shape (fp32)."""
+                     eps: float = 1e-4, batch_rewards: Tensor | None = None) -> Tensor:
+    """rewards (num_prompts * G,), grouped contiguously -> advantages of the same shape (fp32). ``batch_rewards``:
+    the whole batch's rewards for ``scale_rewards='batch'`` when ``rewards`` is one data-parallel rank's share
+    (default: ``rewards`` itself)."""
     if rewards.dim() != 1 or num_generations < 1 or rewards.numel() % num_generations:
         raise ValueError(
             f"rewards must be 1-D with a multiple of num_generations={num_generations} entries, "
@@ -39,7 +41,8 @@ def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: Scale
     if scale_rewards == "group":
         std = grouped.std(dim=1, keepdim=True)
     elif scale_rewards == "batch":
-        std = rewards.float().std().expand_as(grouped[:, :1])
+        whole = rewards if batch_rewards is None else batch_rewards
+        std = whole.float().std().expand_as(grouped[:, :1])
     else:
         raise ValueError(f"scale_rewards={scale_rewards!r}; use 'group', 'batch' or 'none'")
     # a zero-signal group stays exactly 0 even with eps = 0 (no 0/0)

@@ -27,8 +27,10 @@ from jetrl.rl.config import GRPOConfig
 
 def rollout(engine: Engine, prompt_ids: list[list[int]], records: list[dict[str, Any]],
             reward_funcs: dict[str, Callable], args: GRPOConfig, seed: int,
-            accuracy_func: Callable | None = None) -> tuple[RolloutBatch | None, dict[str, float], list[str]]:
-    """Generate, score and batch ``num_generations`` completions of every prompt."""
+            accuracy_func: Callable | None = None, gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+            ) -> tuple[RolloutBatch | None, dict[str, float], list[str]]:
+    """Generate, score and batch ``num_generations`` completions of every prompt. ``gather``: every data-parallel
+    rank's rewards from this rank's (replicas.py), for ``scale_rewards='batch'``."""
     G = args.num_generations
     params = SamplingParams(n=G, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_completion_length, seed=seed)
@@ -53,7 +55,8 @@ def rollout(engine: Engine, prompt_ids: list[list[int]], records: list[dict[str,
         start = args.max_completion_length - args.overlong_penalty_length
         rewards -= args.overlong_penalty_factor * ((lengths - start).clamp(min=0) / args.overlong_penalty_length)
 
-    advantages = group_advantages(rewards, G, args.scale_rewards)
+    whole = gather(rewards) if gather is not None and args.scale_rewards == "batch" else None
+    advantages = group_advantages(rewards, G, args.scale_rewards, batch_rewards=whole)
     keep = torch.ones(len(completions), dtype=torch.bool)
     if args.dynamic_sampling:
         keep = (~zero_signal_groups(rewards, G)).repeat_interleave(G)

@@ -14,6 +14,10 @@
                   (on CUDA, by default up to 3.5B parameters) the decoder layers'
                   forward+backward replay from CUDA graphs                      train_graphs.py
 
+Data parallel (torchrun, ``replicas``): each rank rolls out its block of the step's prompts on its
+own replica and the ranks sum gradients before each optimizer step, with every loss weight taken
+over all ranks' micro-batches (replicas.py gives the math); one process runs no collective.
+
 This file only orchestrates; the math lives in the pure functions it calls. The recipe's
 rollout-subgraph check runs in the constructor, so an undeclared off-policy flow never starts.
 Everything random derives from ``(args.seed, step)``, which is what makes ``resume`` exact.
@@ -51,6 +55,7 @@ from jetrl.rl.correction import rollout_correction_weights
 from jetrl.rl.loss import policy_loss
 from jetrl.rl.memory import oom_advice
 from jetrl.rl.metrics import mismatch_metrics
+from jetrl.rl.replicas import Replicas
 from jetrl.rl.rollout import rollout
 from jetrl.rl.train_graphs import TrainingGraphs, auto_enabled, unsupported_reason
 
@@ -63,10 +68,13 @@ class GRPOTrainer:
     def __init__(self, model: nn.Module, reward_funcs: str | Callable | Sequence[str | Callable],
                  args: GRPOConfig, train_dataset: Sequence[dict[str, Any]], *, tokenizer: Any,
                  recipe: Recipe | str = "jet", system_prompt: str | None = None,
-                 accuracy_func: Callable | None = math_reward, engine_kwargs: dict | None = None) -> None:
+                 accuracy_func: Callable | None = math_reward, engine_kwargs: dict | None = None,
+                 replicas: Replicas | None = None) -> None:
         if not train_dataset:
             raise ValueError("train_dataset is empty: give at least one record")
         self.args, self.tokenizer = args, tokenizer
+        self.replicas = replicas or Replicas()
+        self.local_generation_batch_size = _local_generation_batch_size(args, self.replicas.world_size)
         context = model.config.max_position_embeddings
         if args.max_prompt_length + args.max_completion_length - 1 > context:  # the last token is never fed back
             raise ValueError(f"grpo.max_prompt_length={args.max_prompt_length} + grpo.max_completion_length="
@@ -93,7 +101,7 @@ class GRPOTrainer:
         self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if args.beta > 0 else None
         if self.ref_model is not None:  # it scores whole sequences (large M): a stacked BF16 copy would buy nothing
             remove_stacked_projections(self.ref_model)
-        self.engine = Engine(self.model, tokenizer, max_slots=args.generation_batch_size,
+        self.engine = Engine(self.model, tokenizer, max_slots=self.local_generation_batch_size,
                              max_len=args.max_prompt_length + args.max_completion_length, **(engine_kwargs or {}))
         self.train_graphs = self._resolve_train_graphs(args.train_cuda_graphs)
         self.weight_refresh = WeightRefresh(self.model)
@@ -172,30 +180,30 @@ class GRPOTrainer:
         return time.time()
 
     def train_step(self) -> dict[str, float]:
-        args, step = self.args, self.step
+        args, step, replicas = self.args, self.step, self.replicas
         t0 = self._clock()
-        idx = self.prompt_indices(step)
+        idx = replicas.shard(self.prompt_indices(step))  # this rank's block of the step's prompts
         graphs = self.train_graphs is not None  # what the out-of-memory advice may name
         with oom_advice("rollout", args, step, self.model, graphs):
             batch, metrics, _ = rollout(self.engine, [self.prompt_ids[i] for i in idx],
                                         [self.records[i] for i in idx], self.reward_funcs, args,
-                                        seed=args.seed * 1_000_003 + step, accuracy_func=self.accuracy_func)
+                                        seed=replicas.seed(args.seed * 1_000_003 + step),
+                                        accuracy_func=self.accuracy_func,
+                                        gather=replicas.gather if replicas.distributed else None)
         t1 = self._clock()
         if batch is not None:
             with oom_advice("old_logprobs", args, step, self.model, graphs):
                 self._old_logprobs(batch, metrics)
-            t2 = self._clock()
-            with oom_advice("update", args, step, self.model, graphs):
-                self._update(batch, metrics)
-        else:
-            t2 = t1
+        t2 = self._clock()
+        with oom_advice("update", args, step, self.model, graphs):
+            self._update(batch, metrics)  # every rank takes part, with or without a batch of its own
         t3 = self._clock()
         self.step += 1
         metrics.update({
             "time/rollout": t1 - t0, "time/old_logprobs": t2 - t1, "time/update": t3 - t2, "time/step": t3 - t0,
             "learning_rate": self._lr(), "optimizer_steps": self.optimizer_steps, "nonfinite_steps": self.nonfinite_steps,
         })
-        return metrics
+        return replicas.merge_metrics(metrics)
 
     def _old_logprobs(self, batch: RolloutBatch, metrics: dict[str, float]) -> None:
         if self.old_logprobs_source == "recompute":
@@ -216,14 +224,29 @@ class GRPOTrainer:
         width = batch.completion_ids.shape[1]
         return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
 
-    def _update(self, batch: RolloutBatch, metrics: dict[str, float]) -> None:
+    def _update(self, batch: RolloutBatch | None, metrics: dict[str, float]) -> None:
+        """``num_iterations`` epochs of optimizer steps over the batch. Data parallel, every rank makes as many
+        optimizer steps as the rank with the most micro-batches, each rank's losses weighted by the counts over all
+        ranks (replicas.py); ``batch`` is None on a rank whose groups dynamic sampling dropped entirely."""
         args = self.args
-        weights, corr_stats = rollout_correction_weights(batch.old_logprobs, batch.rollout_logprobs,
-                                                         batch.completion_mask, args.rollout_correction,
-                                                         args.rollout_correction_threshold)
-        metrics.update(corr_stats)
         size, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
-        starts = list(range(0, len(batch), size))
+        rows = len(batch) if batch is not None else 0
+        starts = list(range(0, rows, size))
+        groups = [[slice(s, s + size) for s in starts[i: i + accum]] for i in range(0, len(starts), accum)]
+        steps = int(self.replicas.max([len(groups)])[0])
+        if steps == 0:  # no rank kept a group
+            return
+        counts = [0.0] * (3 * steps)  # per optimizer step: tokens, sequences, micro-batches (summed over ranks)
+        for g, group in enumerate(groups):
+            counts[3 * g: 3 * g + 3] = [sum(float(batch.completion_mask[r].sum()) for r in group),
+                                        sum(min(r.stop, rows) - r.start for r in group), len(group)]
+        counts = self.replicas.sum(counts)
+        weights = None
+        if batch is not None:
+            weights, corr_stats = rollout_correction_weights(batch.old_logprobs, batch.rollout_logprobs,
+                                                             batch.completion_mask, args.rollout_correction,
+                                                             args.rollout_correction_threshold)
+            metrics.update(corr_stats)
         stats_sum: dict[str, float] = {}
         first_pass: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # for reused-logprob mismatch
         entropy_sum = entropy_count = 0.0
@@ -231,13 +254,10 @@ class GRPOTrainer:
         micro = 0
         hidden = self.graphed_hidden_states()
         for iteration in range(args.num_iterations):
-            for group_start in range(0, len(starts), accum):
-                group = starts[group_start: group_start + accum]
-                rows = [slice(s, s + size) for s in group]
-                tokens = sum(float(batch.completion_mask[r].sum()) for r in rows)
-                sequences = sum(min(start + size, len(batch)) - start for start in group)
-                losses = []
-                for r in rows:
+            for g in range(steps):
+                tokens, sequences, micro_batches = counts[3 * g: 3 * g + 3]
+                loss_sum = torch.zeros(())
+                for r in groups[g] if g < len(groups) else []:
                     sub = batch.select(r)
                     lp, entropy = completion_logprobs(self.model, sub, args.temperature, with_entropy=True,
                                                       hidden_states=hidden)
@@ -248,40 +268,48 @@ class GRPOTrainer:
                         beta=args.beta, ref_logprobs=None if sub.ref_logprobs is None else sub.ref_logprobs.to(lp.device),
                         token_weights=None if weights is None else weights[r][:, : lp.shape[1]].to(lp.device),
                         num_items_in_batch=max(tokens, 1.0), max_completion_length=args.max_completion_length)
-                    loss = loss * _micro_batch_weight(args.loss_type, len(sub), len(rows), sequences)
+                    loss = loss * _micro_batch_weight(args.loss_type, len(sub), int(micro_batches), int(sequences))
                     loss.backward()
-                    losses.append(loss.detach())
+                    loss_sum = loss_sum.to(loss.device) + loss.detach()
                     micro += 1
                     for k, v in stats.items():
                         stats_sum[k] = stats_sum.get(k, 0.0) + v
                     entropy_sum += float((entropy * mask).sum())
                     entropy_count += float(mask.sum())
-                    if iteration == 0 and group_start == 0:  # before this step's first optimizer update
+                    if iteration == 0 and g == 0:  # before this step's first optimizer update
                         first_pass.append((lp.detach().cpu(), sub.rollout_logprobs, sub.token_mask()))
-                grad_norms.append(self._optimizer_step(torch.stack(losses).sum()))
-        metrics.update({k: v / max(micro, 1) for k, v in stats_sum.items()})
-        metrics["entropy"] = entropy_sum / max(entropy_count, 1.0)
+                grad_norms.append(self._optimizer_step(loss_sum))
+        if micro:
+            metrics.update({k: v / micro for k, v in stats_sum.items()})
+            metrics["entropy"] = entropy_sum / max(entropy_count, 1.0)
         finite = [g for g in grad_norms if math.isfinite(g)]
         metrics["grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
         if self.old_logprobs_source == "rollout" and first_pass:
             metrics.update(_mismatch_of(first_pass))
 
     def _optimizer_step(self, loss: torch.Tensor) -> float:
+        """Clip, check and apply the accumulated gradient (data parallel: summed over the ranks first, so every
+        replica makes the same decision and the same update)."""
         args = self.args
+        self.replicas.reduce_gradients(self.model)
+        loss = self.replicas.sum([float(loss)])[0]
         params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:  # no micro-batch anywhere produced a gradient
+            return float("nan")
         if args.max_grad_norm > 0:
             norm = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
         else:
             norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
-        if not (math.isfinite(norm) and math.isfinite(float(loss))):
+        if not (math.isfinite(norm) and math.isfinite(loss)):
             self.optimizer.zero_grad(set_to_none=True)
             self.nonfinite_steps += 1
-            message = (f"step {self.step}: non-finite loss ({float(loss)}) or gradient norm ({norm}); "
+            message = (f"step {self.step}: non-finite loss ({loss}) or gradient norm ({norm}); "
                        "the update was not applied")
             if args.nonfinite_step == "stop":
                 raise NonFiniteStepError(message + " and the run stops (grpo.nonfinite_step='stop'); lower "
                                          "grpo.learning_rate or resume from the last checkpoint")
-            print(f"warning: {message} (skipped; grpo.nonfinite_step='skip')")
+            if self.replicas.is_main:
+                print(f"warning: {message} (skipped; grpo.nonfinite_step='skip')")
             return float("nan")
         for group in self.optimizer.param_groups:
             group["lr"] = self._lr()
@@ -309,6 +337,21 @@ class GRPOTrainer:
         self.optimizer_steps = state["optimizer_steps"]
         self.nonfinite_steps = state["nonfinite_steps"]
         refresh_weight_caches(self.model)
+
+
+def _local_generation_batch_size(args: GRPOConfig, world_size: int) -> int:
+    """Completions one rank samples per RL step: ``generation_batch_size`` is the whole step's, as in TRL, split
+    into whole GRPO groups (a group never spans ranks) that the rank's micro-batches divide."""
+    if args.prompts_per_step % world_size:
+        raise ValueError(f"{world_size} data-parallel ranks cannot split the step's {args.prompts_per_step} prompts "
+                         f"(grpo.generation_batch_size={args.generation_batch_size} / grpo.num_generations="
+                         f"{args.num_generations}) evenly: make the prompts per step a multiple of {world_size}")
+    local = args.generation_batch_size // world_size
+    if local % args.per_device_train_batch_size:
+        raise ValueError(f"each of the {world_size} data-parallel ranks samples {local} completions per step, not a "
+                         f"multiple of grpo.per_device_train_batch_size={args.per_device_train_batch_size}: lower "
+                         "it to a divisor of that, or raise grpo.generation_batch_size")
+    return local
 
 
 def _micro_batch_weight(loss_type: str, rows: int, micro_batches: int, sequences: int) -> float:

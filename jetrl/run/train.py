@@ -9,6 +9,12 @@ step), ``tensorboard/``, ``checkpoints/step_N/`` (atomic, see rl/checkpoint.py) 
 
 ``resume=True`` continues the run in ``run_dir`` from its latest checkpoint, with the config it
 was started with, and ends exactly where an uninterrupted run would.
+
+Under torchrun (``torchrun --nproc_per_node N -m jetrl train ...``) the N ranks are data-parallel
+replicas (jetrl/rl/replicas.py): each loads the same start, rolls out and trains on its block of
+every step's prompts and evaluates its block of the held-out problems; rank 0 alone writes the
+run directory and prints. Checkpoints and the end of the run check that the replicas' weights
+are still equal.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from jetrl.rewards import correctness_func, resolve_reward_funcs
 from jetrl.rl.checkpoint import load_trainer_state, resume_checkpoint, save_checkpoint
 from jetrl.rl.logger import MetricsLogger
 from jetrl.rl.metrics import MISMATCH_KEYS
+from jetrl.rl.replicas import Replicas, close_replicas, init_replicas
 from jetrl.rl.trainer import GRPOTrainer
 from jetrl.run.config import RunConfig, from_dict
 from jetrl.run.determinism import deterministic_algorithms
@@ -57,77 +64,105 @@ def load_run_config(run_dir: str | Path) -> RunConfig:
 
 def run_training(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     """Train ``cfg`` (in exact mode if ``cfg.exact``: jetrl/exact.py; with deterministic algorithms if
-    ``cfg.deterministic``: jetrl/run/determinism.py) and return the run's summary."""
-    with use_exact() if cfg.exact else contextlib.nullcontext(), deterministic_algorithms(cfg.deterministic):
-        return _run_training(cfg, resume)
+    ``cfg.deterministic``: jetrl/run/determinism.py) and return the run's summary; under torchrun, as one of
+    its data-parallel replicas (module docstring)."""
+    replicas, device = init_replicas(cfg.device)
+    try:
+        with use_exact() if cfg.exact else contextlib.nullcontext(), deterministic_algorithms(cfg.deterministic):
+            return _run_training(cfg, resume, replicas, device)
+    finally:
+        close_replicas(replicas)
 
 
-def _run_training(cfg: RunConfig, resume: bool) -> dict[str, Any]:
+def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str) -> dict[str, Any]:
     start = time.time()
+    main = replicas.is_main
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.grpo.seed)
-    run_dir = Path(cfg.run_dir or f"runs/{cfg.preset}-{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = Path(replicas.broadcast_object(  # rank 0's clock names a new run for every rank
+        str(cfg.run_dir or f"runs/{cfg.preset}-{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")))
     _check_run_dir(run_dir, resume)
     checkpoint = resume_checkpoint(run_dir) if resume else None
 
     # cheap checks first: data and reward names fail before a model is built or loaded
     train_records, eval_records = load_task(cfg.task)
     resolve_reward_funcs(cfg.task.reward_funcs)
-    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={cfg.device!r} but this torch sees no CUDA GPU; use device=auto or device=cpu")
-    model, tokenizer, source = load_model(cfg.model.name, cfg.model.dtype, recipe=cfg.recipe, device=device)
+    with replicas.main_first():  # rank 0 builds a built-in start's cache, the others read it
+        model, tokenizer, source = load_model(cfg.model.name, cfg.model.dtype, recipe=cfg.recipe, device=device)
+    replicas.check_in_sync(model, "after loading the model")
     if not resume:
         # a directory is recorded as the checkpoint it resolved to: another run's `latest` moves on, and a resume
         # (its KL reference with beta > 0) must start from the very weights this run started from
         cfg.model.name = pinned_model_name(cfg.model.name, source)
     correct_func = correctness_func(cfg.task.reward_funcs)
     trainer = GRPOTrainer(model, cfg.task.reward_funcs, cfg.grpo, train_records, tokenizer=tokenizer,
-                          recipe=cfg.recipe, system_prompt=cfg.task.system_prompt, accuracy_func=correct_func)
+                          recipe=cfg.recipe, system_prompt=cfg.task.system_prompt, accuracy_func=correct_func,
+                          replicas=replicas)
     eval_ids = encode_prompts(eval_records, tokenizer, system_prompt=cfg.task.system_prompt,
                               max_prompt_length=cfg.grpo.max_prompt_length)
     cfg.run_dir = str(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_text(run_dir / "config.yaml", cfg.to_yaml())
-    print(f"jetrl train: preset={cfg.preset} recipe={cfg.recipe} model={source} device={device} run_dir={run_dir}")
-    print(cfg.to_yaml().rstrip())
-    print(f"precision flow: {json.dumps(trainer.recipe.metadata())}; exact mode: {exact_requested()}; "
-          f"deterministic algorithms: {torch.are_deterministic_algorithms_enabled()}; "
-          f"old logprobs: {trainer.old_logprobs_source}; training CUDA graphs: "
-          f"{'on' if trainer.train_graphs is not None else 'off'}")
+    say = print if main else _quiet
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _atomic_text(run_dir / "config.yaml", cfg.to_yaml())
+    say(f"jetrl train: preset={cfg.preset} recipe={cfg.recipe} model={source} device={device} run_dir={run_dir}"
+        + (f" data-parallel ranks={replicas.world_size}" if replicas.distributed else ""))
+    say(cfg.to_yaml().rstrip())
+    say(f"precision flow: {json.dumps(trainer.recipe.metadata())}; exact mode: {exact_requested()}; "
+        f"deterministic algorithms: {torch.are_deterministic_algorithms_enabled()}; "
+        f"old logprobs: {trainer.old_logprobs_source}; training CUDA graphs: "
+        f"{'on' if trainer.train_graphs is not None else 'off'}")
 
-    def held_out() -> float:
-        return evaluate(trainer.engine, eval_ids, eval_records, max_tokens=cfg.grpo.max_completion_length,
-                        num_samples=cfg.eval.num_samples, temperature=cfg.eval.temperature,
-                        seed=cfg.grpo.seed, correct_func=correct_func)["pass@1"] if eval_records else None
+    def held_out() -> float | None:
+        """pass@1 over every held-out problem, each rank evaluating its block of them."""
+        if not eval_records:
+            return None
+        ids, records = replicas.shard(eval_ids), replicas.shard(eval_records)
+        passed = evaluate(trainer.engine, ids, records, max_tokens=cfg.grpo.max_completion_length,
+                          num_samples=cfg.eval.num_samples, temperature=cfg.eval.temperature, seed=cfg.grpo.seed,
+                          correct_func=correct_func)["pass@1"] * len(records) if records else 0.0
+        total, count = replicas.sum([passed, len(records)])
+        return total / count
 
     if checkpoint is not None:
         state = load_trainer_state(checkpoint, model, trainer.optimizer)
         trainer.load_state(state)
         eval_initial = state["eval_accuracy_initial"]
-        print(f"resumed from {checkpoint} at step {trainer.step}")
+        say(f"resumed from {checkpoint} at step {trainer.step}")
     else:
         eval_initial = held_out()
-    print(f"held-out accuracy before training: {_fmt(eval_initial)} ({len(eval_records)} problems)")
+    say(f"held-out accuracy before training: {_fmt(eval_initial)} ({len(eval_records)} problems)")
 
     logger = MetricsLogger(run_dir, total_steps=cfg.grpo.max_steps, resume_step=trainer.step,
                            tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project, run_name=run_dir.name,
-                           config=cfg.to_dict(), progress=cfg.progress)
+                           config=cfg.to_dict(), progress=cfg.progress) if main else None
 
     def on_step(step: int, metrics: dict[str, float]) -> None:
         if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.grpo.max_steps:
             metrics["eval/accuracy"] = held_out()
-        logger.log(step, metrics)
+        if logger is not None:
+            logger.log(step, metrics)
         if (cfg.save_steps and step % cfg.save_steps == 0) or step == cfg.grpo.max_steps:
-            save_checkpoint(run_dir, step, model, tokenizer, trainer.optimizer,
-                            {**trainer.state_dict(), "eval_accuracy_initial": eval_initial}, keep_last=cfg.keep_last)
+            replicas.check_in_sync(model, f"checkpoint of step {step}")
+            if main:
+                save_checkpoint(run_dir, step, model, tokenizer, trainer.optimizer,
+                                {**trainer.state_dict(), "eval_accuracy_initial": eval_initial},
+                                keep_last=cfg.keep_last)
+            replicas.barrier()  # the checkpoint is complete before any rank moves on
 
     try:
         trainer.train(on_step)
     finally:
-        logger.close()
+        if logger is not None:
+            logger.close()
     eval_final = held_out()
+    if not main:
+        return replicas.broadcast_object(None)
     history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     result = {
         "recipe": cfg.recipe,
@@ -144,10 +179,16 @@ def _run_training(cfg: RunConfig, resume: bool) -> dict[str, Any]:
         "wall_s": round(time.time() - start, 1),
         "run_dir": str(run_dir),
     }
+    if replicas.distributed:
+        result["data_parallel_ranks"] = replicas.world_size
     _atomic_text(run_dir / "summary.json", json.dumps(result, indent=1))
     _print_summary(result)
     print(json.dumps(result))
-    return result
+    return replicas.broadcast_object(result)
+
+
+def _quiet(*_: Any, **__: Any) -> None:
+    """``print`` on a data-parallel rank other than 0: rank 0 speaks for the run."""
 
 
 def _run_mean(history: list[dict], keys: tuple[str, ...]) -> dict[str, float]:

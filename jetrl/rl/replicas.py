@@ -1,0 +1,266 @@
+"""Data parallelism over torchrun: every rank holds the whole model (replicas, not shards).
+
+Why replicas. The rollout engine runs the trainer's own modules on the weights quantized once per
+optimizer step (zero weight sync). A replica keeps exactly that: each rank samples its share of
+the step's prompts on its own copy, scores and trains on those samples, and the ranks sum their
+gradients before every optimizer step. Identical gradients into identical AdamW states keep the
+replicas bit-identical, so after the start (one broadcast from rank 0) no weight ever moves
+between ranks, and each rank's FP8 weight caches are refreshed from its own copy, as on one GPU.
+The cost is memory: each GPU holds the model, its gradients and its AdamW state (the whole 8B
+trains on one H200). Sharding them (FSDP2) is not implemented.
+
+The math. Optimizer step g of one RL step sums the losses of its micro-batches m with the loss
+type's weights w_m (trainer.py ``_micro_batch_weight``):
+
+    L_g = sum_r sum_{m in M_r,g} w_m * l_m          M_r,g: rank r's micro-batches of step g
+
+and every weight is a function of counts over the *whole* group -- tokens (``dapo``'s
+num_items_in_batch), sequences (``grpo``, ``dr_grpo``) or micro-batches (``bnpo``). So each
+rank weights its own micro-batches with the counts summed over all ranks (:meth:`Replicas.sum`),
+and the all-reduce SUM of the gradients (:meth:`Replicas.reduce_gradients`) is grad L_g, the
+gradient one process would compute over the same micro-batches (up to the order of float sums;
+tests/test_replicas.py checks it for every loss type). Ranks may hold different numbers of
+micro-batches (DAPO's dynamic sampling drops groups per rank): every rank makes the largest
+rank's number of optimizer steps, and a rank without micro-batches in step g adds zeros.
+
+Group advantages stay exact: a GRPO group never spans ranks (a rank samples whole prompts), and
+``scale_rewards='batch'`` takes its std over every rank's rewards (:meth:`Replicas.gather`).
+
+Launch: ``torchrun --nproc_per_node N -m jetrl train ...``. NCCL on CUDA (rank r on
+``cuda:LOCAL_RANK``), gloo on the CPU. With one process every method is the identity, so the
+single-GPU path runs no collective at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+# rank r's sampling seeds are offset by r times this, so no two ranks draw the same random stream
+RANK_SEED_STRIDE = 1_000_000_007
+BUCKET_ELEMENTS = 1 << 25  # gradients are all-reduced in flat buckets of up to 32M elements (one dtype each)
+
+
+class Replicas:
+    """This process's place among the data-parallel replicas, and the few collectives the trainer needs."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu") -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} must be in [0, world_size={world_size})")
+        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    # ------------------------------------------------------------------ work split
+    def shard(self, items: Sequence[Any]) -> list[Any]:
+        """This rank's contiguous block of ``items`` (the first ``len % world_size`` ranks hold one more)."""
+        base, extra = divmod(len(items), self.world_size)
+        start = self.rank * base + min(self.rank, extra)
+        return list(items[start: start + base + (self.rank < extra)])
+
+    def seed(self, seed: int) -> int:
+        """Rank 0 keeps ``seed`` (a one-process run is unchanged); rank r adds r * RANK_SEED_STRIDE."""
+        return seed + self.rank * RANK_SEED_STRIDE
+
+    # ------------------------------------------------------------------ collectives
+    def _reduce(self, values: Sequence[float], op: str) -> list[float]:
+        if not self.distributed:
+            return [float(v) for v in values]
+        import torch.distributed as dist
+
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+        return t.tolist()
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sum over ranks."""
+        return self._reduce(values, "SUM")
+
+    def max(self, values: Sequence[float]) -> list[float]:
+        """Element-wise max over ranks."""
+        return self._reduce(values, "MAX")
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` (same shape on each), concatenated along dim 0 in rank order."""
+        if not self.distributed:
+            return tensor
+        import torch.distributed as dist
+
+        local = tensor.to(self.device).contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(parts, local)
+        return torch.cat(parts).to(tensor.device)
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order."""
+        if not self.distributed:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.distributed:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    @contextlib.contextmanager
+    def main_first(self) -> Iterator[None]:
+        """Rank 0 runs the block first (e.g. building a cached model), the other ranks after it."""
+        if not self.is_main:
+            self.barrier()
+        yield
+        if self.is_main:
+            self.barrier()
+
+    # ------------------------------------------------------------------ parameters and gradients
+    def broadcast_parameters(self, module: nn.Module) -> None:
+        """Rank 0's parameters and buffers on every rank (replicas start equal whatever each rank loaded)."""
+        if not self.distributed:
+            return
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t.data, src=0)
+
+    def reduce_gradients(self, module: nn.Module) -> None:
+        """Sum every trainable parameter's gradient over the ranks, in place. A parameter that has a gradient on
+        some rank gets one on every rank (zeros where it had none); one without a gradient anywhere keeps None,
+        as on one process (AdamW then leaves it alone)."""
+        if not self.distributed:
+            return
+        import torch.distributed as dist
+
+        params = [p for p in module.parameters() if p.requires_grad]
+        has = self.max([p.grad is not None for p in params])
+        grads = []
+        for p, any_rank in zip(params, has):
+            if any_rank and p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if any_rank:
+                grads.append(p.grad)
+        for bucket in _buckets(grads):
+            if len(bucket) == 1:
+                dist.all_reduce(bucket[0])
+                continue
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat)
+            for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+                g.copy_(part.view_as(g))
+
+    def check_in_sync(self, module: nn.Module, when: str) -> None:
+        """Raise if the replicas' parameters differ (a float64 checksum per rank). They cannot, unless a rank
+        changed its weights outside the trainer: training on would then average gradients of different models."""
+        if not self.distributed:
+            return
+        with torch.no_grad():
+            local = [float(sum(p.detach().double().sum() for p in module.parameters())),
+                     float(sum((p.detach().double() ** 2).sum() for p in module.parameters()))]
+        sums = self.gather_objects(local)
+        if any(s != sums[0] for s in sums):
+            raise RuntimeError(f"{when}: the data-parallel replicas' weights differ (per-rank checksums {sums}); "
+                               "something changed one rank's weights outside the trainer. Resume from the last "
+                               "checkpoint")
+
+    # ------------------------------------------------------------------ metrics
+    def merge_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """One metrics dict for the step from every rank's: a maximum (``*max*``) and a time (``time/*``, the
+        slowest rank) over ranks, anything else the mean over the ranks that report it. Completion-level metrics
+        (reward, accuracy, lengths) are exact -- every rank samples as many completions; token-level ones
+        (mismatch, entropy, clip fractions) are means of the ranks' means."""
+        if not self.distributed:
+            return metrics
+        merged: dict[str, float] = {}
+        every = self.gather_objects(metrics)
+        for key in dict.fromkeys(k for m in every for k in m):
+            values = [m[key] for m in every if key in m and isinstance(m[key], (int, float))]
+            if not values:
+                continue
+            finite = [v for v in values if math.isfinite(v)] or values
+            if all(v == finite[0] for v in finite):  # counters and the shared grad_norm keep their value and type
+                merged[key] = finite[0]
+            elif "max" in key or key.startswith("time/"):
+                merged[key] = max(finite)
+            else:
+                merged[key] = sum(finite) / len(finite)
+        return merged
+
+
+def _buckets(grads: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """Consecutive gradients of one dtype and device, up to BUCKET_ELEMENTS elements per bucket."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for g in grads:
+        if bucket and (g.dtype != bucket[0].dtype or g.device != bucket[0].device
+                       or size + g.numel() > BUCKET_ELEMENTS):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(g)
+        size += g.numel()
+    if bucket:
+        yield bucket
+
+
+def init_replicas(device: str) -> tuple[Replicas, str]:
+    """The replicas of this launch and this rank's device. Under torchrun (``WORLD_SIZE`` > 1) this joins the
+    process group: NCCL with rank r on ``cuda:LOCAL_RANK`` when ``device`` is 'auto' or 'cuda' and CUDA is there,
+    else gloo on the CPU. A single process gets ``Replicas()`` and ``device`` unchanged."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Replicas(), device
+    import torch.distributed as dist
+
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if device.startswith("cuda:"):
+        raise ValueError(f"device={device!r} under torchrun ({world} processes): each rank takes its own GPU "
+                         "(cuda:LOCAL_RANK); use device=auto or device=cuda")
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if cuda:
+        if not torch.cuda.is_available() or local >= torch.cuda.device_count():
+            raise ValueError(f"rank {rank} (LOCAL_RANK={local}) needs GPU {local}, but this torch sees "
+                             f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}; run at most that "
+                             "many processes per node (--nproc_per_node), or device=cpu")
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    else:
+        device = "cpu"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=torch.device(device) if cuda else None)
+    if dist.get_world_size() != world:
+        raise RuntimeError(f"WORLD_SIZE={world} but the process group has {dist.get_world_size()} ranks")
+    return Replicas(dist.get_rank(), world, device), device
+
+
+def close_replicas(replicas: Replicas) -> None:
+    """Leave the process group (the end of a data-parallel run)."""
+    if replicas.distributed:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

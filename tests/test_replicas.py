@@ -1,0 +1,152 @@
+"""Data-parallel replicas (jetrl/rl/replicas.py) on the CPU: two gloo ranks against one process.
+
+The claim under test: two ranks that each train on half of a batch make the same optimizer step as one
+process over the whole batch -- the same summed gradient for every loss type, also when one rank has no
+batch at all -- and `torchrun -m jetrl train` runs a whole data-parallel run that rank 0 alone writes.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from jetrl.models.llama import CausalLM
+from jetrl.models.tiny import build_tiny_tokenizer, tiny_model_config
+from jetrl.models.tokenizer import Tokenizer
+from jetrl.data import synthetic_split
+from jetrl.rl.batch import RolloutBatch
+from jetrl.rl.config import GRPOConfig
+from jetrl.rl.replicas import Replicas
+from jetrl.rl.trainer import GRPOTrainer
+
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
+ROWS = 8  # the whole batch; each of two ranks trains on 4 rows
+
+
+def _batch(rows: slice) -> RolloutBatch:
+    """A fixed batch of ROWS completions of different lengths, two of them masked out of the loss."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 60, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(ROWS)]
+    completions = [torch.randint(3, 60, (1 + i % 5,), generator=g).tolist() for i in range(ROWS)]
+    logprobs = [(-torch.rand(len(c), generator=g) * 3).tolist() for c in completions]
+    advantages = torch.randn(ROWS, generator=g)
+    mask = [i not in (2, 5) for i in range(ROWS)]
+    full = RolloutBatch.build(prompts, completions, logprobs, advantages, mask)
+    full.old_logprobs = full.rollout_logprobs + 0.05 * torch.randn(full.rollout_logprobs.shape, generator=g)
+    return full.select(rows)
+
+
+def _update_grads(loss_type: str, replicas: Replicas, rows: slice | None, accum: int) -> list[torch.Tensor]:
+    """The gradient of the one optimizer step `_update` makes over `rows` of the fixed batch (None: no batch)."""
+    torch.manual_seed(0)
+    args = GRPOConfig(learning_rate=1e-3, num_generations=2, generation_batch_size=8 * replicas.world_size,
+                      per_device_train_batch_size=2, gradient_accumulation_steps=accum, max_prompt_length=32,
+                      max_completion_length=8, loss_type=loss_type, max_grad_norm=0.0)
+    train, _ = synthetic_split(16, 0, 0)
+    trainer = GRPOTrainer(CausalLM(tiny_model_config()), "math", args, train,
+                          tokenizer=Tokenizer(build_tiny_tokenizer()), recipe="bf16", replicas=replicas)
+    grads: list[list[torch.Tensor]] = []
+    trainer.optimizer.register_step_pre_hook(
+        lambda opt, *_: grads.append([p.grad.clone() for p in trainer.model.parameters()]))
+    trainer._update(None if rows is None else _batch(rows), {})
+    assert len(grads) == 1, f"expected one optimizer step, got {len(grads)}"
+    return grads[0]
+
+
+def _worker(rank: int, world: int, store: str, out: str, empty_rank: int) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        replicas = Replicas(rank, world)
+        result = {}
+        for loss_type in LOSS_TYPES:
+            result[loss_type] = _update_grads(loss_type, replicas, slice(4 * rank, 4 * rank + 4), accum=2)
+            rows = None if rank == empty_rank else slice(4 * rank, 4 * rank + 4)
+            result[f"{loss_type}/one_rank_empty"] = _update_grads(loss_type, replicas, rows, accum=2)
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_make_the_one_process_step_for_every_loss_type(tmp_path):
+    torch.multiprocessing.spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path), 1), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for loss_type in LOSS_TYPES:
+        # one process, the whole batch: 4 micro-batches of 2 rows in one optimizer step
+        whole = _update_grads(loss_type, Replicas(), slice(0, ROWS), accum=4)
+        # one process, rank 0's half only: what the step is when rank 1 has no batch
+        half = _update_grads(loss_type, Replicas(), slice(0, 4), accum=2)
+        for key, expected in ((loss_type, whole), (f"{loss_type}/one_rank_empty", half)):
+            for a, b in zip(ranks[0][key], ranks[1][key]):
+                assert torch.equal(a, b), f"{key}: the replicas' summed gradients differ"
+            for i, (got, ref) in enumerate(zip(ranks[0][key], expected)):
+                assert ref.abs().max() > 0, f"{key}: parameter {i} has a zero gradient (the check would be empty)"
+                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7, msg=f"{key}, parameter {i}")
+
+
+def test_shard_and_seed():
+    items = list(range(10))
+    parts = [Replicas(r, 3).shard(items) for r in range(3)]
+    assert parts == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert Replicas().shard(items) == items
+    assert Replicas().seed(5) == 5 and Replicas(1, 2).seed(5) != 5
+    with pytest.raises(ValueError, match="rank 2"):
+        Replicas(2, 2)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(generation_batch_size=24, num_generations=8), "cannot split the step's 3 prompts"),
+    (dict(generation_batch_size=16, num_generations=4, per_device_train_batch_size=16), "samples 8 completions"),
+])
+def test_a_batch_the_ranks_cannot_split_is_an_actionable_error(overrides, match):
+    args = GRPOConfig(max_prompt_length=32, max_completion_length=8, **{"per_device_train_batch_size": 8,
+                                                                        **overrides})
+    train, _ = synthetic_split(16, 0, 0)
+    with pytest.raises(ValueError, match=match):
+        GRPOTrainer(CausalLM(tiny_model_config()), "math", args, train, tokenizer=Tokenizer(build_tiny_tokenizer()),
+                    recipe="bf16", replicas=Replicas(0, 2))
+
+
+def test_merge_metrics_is_the_identity_on_one_process():
+    metrics = {"reward": 0.5, "time/step": 1.0}
+    assert Replicas().merge_metrics(metrics) is metrics
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)"))])
+def test_torchrun_trains_two_replicas_that_rank_0_writes(tmp_path, device):
+    run_dir = tmp_path / "run"
+    path = [str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+         "-m", "jetrl", "train", "--preset", "tiny", "--run-dir", str(run_dir), "grpo.max_steps=2",
+         "grpo.generation_batch_size=16", "grpo.per_device_train_batch_size=8", "task.num_eval=6",
+         "save_steps=1", "keep_last=1", "progress=false", "tensorboard=false", f"device={device}"],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summaries = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"recipe"')]
+    assert len(summaries) == 1, "rank 0 alone prints the summary line"
+    summary = summaries[0]
+    assert summary["data_parallel_ranks"] == 2 and summary["steps"] == 2
+    assert summary["eval_accuracy_final"] is not None
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+    row = json.loads(lines[-1])
+    assert row["optimizer_steps"] == 2 and row["grad_norm"] > 0
+    assert (run_dir / "checkpoints" / "step_000002" / "trainer_state.pt").is_file()
+    assert not (run_dir / "checkpoints" / "step_000001").exists()  # keep_last=1: rank 0 alone saves and prunes
