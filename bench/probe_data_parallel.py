@@ -37,7 +37,8 @@ def _env(name: str, default: int) -> int:
 def main() -> None:
     replicas, device = init_replicas("cuda" if torch.cuda.is_available() else "cpu")
     prompts, generations, micro = _env("PROMPTS", 8), _env("GENERATIONS", 8), _env("MICRO", 8)
-    prompt, completion, layers, steps = _env("PROMPT", 128), _env("COMPLETION", 1024), _env("LAYERS", 36), _env("STEPS", 2)
+    prompt, completion = _env("PROMPT", 128), _env("COMPLETION", 1024)
+    layers, steps = _env("LAYERS", 36), _env("STEPS", 2)
     smoke = os.environ.get("SMOKE") == "1"  # smoke_config's small shapes: a CPU check of the script itself
     cfg = (smoke_config if smoke else h200_config)(layers=layers, train_layers=layers, micro_batch=micro)
     model = random_model(cfg.model_config(layers), torch.device(device), torch.bfloat16)

@@ -7,7 +7,8 @@ Pure functions (each file gives its math): ``advantages.py`` (group-normalized a
 kernels on CUDA). Orchestration: ``rollout.py`` (generate, score, batch), ``trainer.py`` (GRPOTrainer),
 ``train_graphs.py`` (the decoder layers' training forward+backward replayed from CUDA graphs),
 ``checkpoint.py`` (atomic save, exact resume), ``logger.py`` (metrics.jsonl, TensorBoard, W&B, progress),
-``memory.py`` (out-of-memory advice), ``diagnose.py`` (per-layer rollout-vs-trainer comparison).
+``memory.py`` (out-of-memory advice), ``diagnose.py`` (per-layer rollout-vs-trainer comparison),
+``replicas.py`` (data parallelism over torchrun).
 ``config.py`` holds GRPOConfig.
 """
 

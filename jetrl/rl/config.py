@@ -6,7 +6,9 @@ num_generations`` prompts, ``num_generations`` samples each), score them, then r
 completions, stepping the optimizer every ``gradient_accumulation_steps`` micro-batches.
 So one RL step makes ``num_iterations * generation_batch_size / (per_device_train_batch_size
 * gradient_accumulation_steps)`` optimizer steps. ``max_steps`` counts RL steps (TRL counts
-optimizer steps; with the defaults below the two are equal).
+optimizer steps; with the defaults below the two are equal). Under torchrun with N data-parallel
+ranks (replicas.py), ``generation_batch_size`` stays the whole step's, as in TRL: each rank samples
+1/N of it, in micro-batches of its own ``per_device_train_batch_size``.
 
 Each field is documented once, in its ``help`` metadata (``jetrl train --help-config`` prints them).
 """
@@ -38,7 +40,8 @@ class GRPOConfig:
     seed: int = _f(0, "seed of data order, sampling and initialization")
     # --- rollout
     num_generations: int = _f(8, "completions per prompt (the GRPO group size G)")
-    generation_batch_size: int = _f(64, "completions per RL step (a multiple of num_generations)")
+    generation_batch_size: int = _f(64, "completions per RL step, over all data-parallel ranks as in TRL (a multiple "
+                                    "of num_generations; each rank samples whole groups)")
     max_prompt_length: int = _f(256, "prompts longer than this (in tokens) are an error at start")
     max_completion_length: int = _f(256, "maximum new tokens per completion")
     temperature: float = _f(1.0, "sampling temperature of the rollout; the trainer's logprobs are of the same "
@@ -46,7 +49,7 @@ class GRPOConfig:
     top_p: float = _f(1.0, "nucleus sampling mass of the rollout")
     top_k: int = _f(0, "top-k of the rollout (0 = off)")
     # --- update
-    per_device_train_batch_size: int = _f(16, "completions per micro-batch")
+    per_device_train_batch_size: int = _f(16, "completions per micro-batch, per data-parallel rank")
     gradient_accumulation_steps: int = _f(4, "micro-batches per optimizer step")
     num_iterations: int = _f(1, "epochs over each rollout batch (GRPO's mu)")
     epsilon: float = _f(0.2, "PPO clip range, lower side (epsilon_low)")
@@ -143,9 +146,25 @@ class GRPOConfig:
     @property
     def optimizer_steps_per_rl_step(self) -> int:
         """Per epoch over the rollout batch, one step per gradient_accumulation_steps micro-batches, the last one on
-        what is left (as the trainer's update loop groups them)."""
+        what is left (as the trainer's update loop groups them). One process; each of N data-parallel ranks has 1/N
+        of the micro-batches."""
         micro = self.generation_batch_size // self.per_device_train_batch_size
         return self.num_iterations * -(-micro // self.gradient_accumulation_steps)
+
+    def generation_batch_size_per_rank(self, world_size: int) -> int:
+        """Completions one of ``world_size`` data-parallel ranks samples per RL step: whole GRPO groups (a group
+        never spans ranks) that the rank's micro-batches divide; an actionable error where the step cannot split."""
+        if self.prompts_per_step % world_size:
+            raise ValueError(f"{world_size} data-parallel ranks cannot split the step's {self.prompts_per_step} "
+                             f"prompts (grpo.generation_batch_size={self.generation_batch_size} / grpo.num_generations="
+                             f"{self.num_generations}) evenly: make the prompts per step a multiple of {world_size}")
+        local = self.generation_batch_size // world_size
+        if local % self.per_device_train_batch_size:
+            raise ValueError(f"each of the {world_size} data-parallel ranks samples {local} completions per step, not a "
+                             f"multiple of grpo.per_device_train_batch_size={self.per_device_train_batch_size}: set "
+                             f"grpo.per_device_train_batch_size={math.gcd(local, self.per_device_train_batch_size)} "
+                             "(or another divisor of that), or raise grpo.generation_batch_size")
+        return local
 
     @classmethod
     def field_help(cls) -> dict[str, str]:

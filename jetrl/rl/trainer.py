@@ -74,7 +74,7 @@ class GRPOTrainer:
             raise ValueError("train_dataset is empty: give at least one record")
         self.args, self.tokenizer = args, tokenizer
         self.replicas = replicas or Replicas()
-        self.local_generation_batch_size = _local_generation_batch_size(args, self.replicas.world_size)
+        self.local_generation_batch_size = args.generation_batch_size_per_rank(self.replicas.world_size)
         context = model.config.max_position_embeddings
         if args.max_prompt_length + args.max_completion_length - 1 > context:  # the last token is never fed back
             raise ValueError(f"grpo.max_prompt_length={args.max_prompt_length} + grpo.max_completion_length="
@@ -337,21 +337,6 @@ class GRPOTrainer:
         self.optimizer_steps = state["optimizer_steps"]
         self.nonfinite_steps = state["nonfinite_steps"]
         refresh_weight_caches(self.model)
-
-
-def _local_generation_batch_size(args: GRPOConfig, world_size: int) -> int:
-    """Completions one rank samples per RL step: ``generation_batch_size`` is the whole step's, as in TRL, split
-    into whole GRPO groups (a group never spans ranks) that the rank's micro-batches divide."""
-    if args.prompts_per_step % world_size:
-        raise ValueError(f"{world_size} data-parallel ranks cannot split the step's {args.prompts_per_step} prompts "
-                         f"(grpo.generation_batch_size={args.generation_batch_size} / grpo.num_generations="
-                         f"{args.num_generations}) evenly: make the prompts per step a multiple of {world_size}")
-    local = args.generation_batch_size // world_size
-    if local % args.per_device_train_batch_size:
-        raise ValueError(f"each of the {world_size} data-parallel ranks samples {local} completions per step, not a "
-                         f"multiple of grpo.per_device_train_batch_size={args.per_device_train_batch_size}: lower "
-                         "it to a divisor of that, or raise grpo.generation_batch_size")
-    return local
 
 
 def _micro_batch_weight(loss_type: str, rows: int, micro_batches: int, sequences: int) -> float:

@@ -67,11 +67,10 @@ def run_training(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     ``cfg.deterministic``: jetrl/run/determinism.py) and return the run's summary; under torchrun, as one of
     its data-parallel replicas (module docstring)."""
     replicas, device = init_replicas(cfg.device)
-    try:
-        with use_exact() if cfg.exact else contextlib.nullcontext(), deterministic_algorithms(cfg.deterministic):
-            return _run_training(cfg, resume, replicas, device)
-    finally:
-        close_replicas(replicas)
+    with use_exact() if cfg.exact else contextlib.nullcontext(), deterministic_algorithms(cfg.deterministic):
+        result = _run_training(cfg, resume, replicas, device)
+    close_replicas(replicas)  # after an error the process exits without it: the other ranks may be mid-collective
+    return result
 
 
 def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str) -> dict[str, Any]:
@@ -88,6 +87,7 @@ def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str)
     # cheap checks first: data and reward names fail before a model is built or loaded
     train_records, eval_records = load_task(cfg.task)
     resolve_reward_funcs(cfg.task.reward_funcs)
+    cfg.grpo.generation_batch_size_per_rank(replicas.world_size)  # the step splits over the ranks
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
