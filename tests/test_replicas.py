@@ -42,48 +42,54 @@ def _batch(rows: slice) -> RolloutBatch:
     return full.select(rows)
 
 
-def _update_grads(loss_type: str, replicas: Replicas, rows: slice | None, accum: int) -> list[torch.Tensor]:
+def _update_grads(loss_type: str, replicas: Replicas, rows: slice | None, accum: int,
+                  recipe: str = "bf16") -> list[torch.Tensor]:
     """The gradient of the one optimizer step `_update` makes over `rows` of the fixed batch (None: no batch)."""
     torch.manual_seed(0)
     args = GRPOConfig(learning_rate=1e-3, num_generations=2, generation_batch_size=8 * replicas.world_size,
                       per_device_train_batch_size=2, gradient_accumulation_steps=accum, max_prompt_length=32,
                       max_completion_length=8, loss_type=loss_type, max_grad_norm=0.0)
     train, _ = synthetic_split(16, 0, 0)
-    trainer = GRPOTrainer(CausalLM(tiny_model_config()), "math", args, train,
-                          tokenizer=Tokenizer(build_tiny_tokenizer()), recipe="bf16", replicas=replicas)
+    trainer = GRPOTrainer(CausalLM(tiny_model_config()).to(replicas.device), "math", args, train,
+                          tokenizer=Tokenizer(build_tiny_tokenizer()), recipe=recipe, replicas=replicas)
     grads: list[list[torch.Tensor]] = []
     trainer.optimizer.register_step_pre_hook(
-        lambda opt, *_: grads.append([p.grad.clone() for p in trainer.model.parameters()]))
+        lambda opt, *_: grads.append([p.grad.cpu() for p in trainer.model.parameters()]))
     trainer._update(None if rows is None else _batch(rows), {})
     assert len(grads) == 1, f"expected one optimizer step, got {len(grads)}"
     return grads[0]
 
 
-def _worker(rank: int, world: int, store: str, out: str, empty_rank: int) -> None:
+def _worker(rank: int, world: int, store: str, out: str, empty_rank: int, device: str, recipe: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # gloo, also for CUDA tensors: the GPU variant runs both ranks on one GPU, which NCCL does not allow
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        replicas = Replicas(rank, world)
+        replicas = Replicas(rank, world, device)
         result = {}
         for loss_type in LOSS_TYPES:
-            result[loss_type] = _update_grads(loss_type, replicas, slice(4 * rank, 4 * rank + 4), accum=2)
+            result[loss_type] = _update_grads(loss_type, replicas, slice(4 * rank, 4 * rank + 4), 2, recipe)
             rows = None if rank == empty_rank else slice(4 * rank, 4 * rank + 4)
-            result[f"{loss_type}/one_rank_empty"] = _update_grads(loss_type, replicas, rows, accum=2)
+            result[f"{loss_type}/one_rank_empty"] = _update_grads(loss_type, replicas, rows, 2, recipe)
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def test_two_ranks_make_the_one_process_step_for_every_loss_type(tmp_path):
-    torch.multiprocessing.spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path), 1), nprocs=2, join=True)
+@pytest.mark.parametrize("device,recipe", [("cpu", "bf16"), pytest.param("cuda", "jet", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_two_ranks_make_the_one_process_step_for_every_loss_type(tmp_path, device, recipe):
+    torch.multiprocessing.spawn(_worker, args=(2, str(tmp_path / "store"), str(tmp_path), 1, device, recipe),
+                                nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    one = Replicas(device=device)
     for loss_type in LOSS_TYPES:
         # one process, the whole batch: 4 micro-batches of 2 rows in one optimizer step
-        whole = _update_grads(loss_type, Replicas(), slice(0, ROWS), accum=4)
+        whole = _update_grads(loss_type, one, slice(0, ROWS), 4, recipe)
         # one process, rank 0's half only: what the step is when rank 1 has no batch
-        half = _update_grads(loss_type, Replicas(), slice(0, 4), accum=2)
+        half = _update_grads(loss_type, one, slice(0, 4), 2, recipe)
         for key, expected in ((loss_type, whole), (f"{loss_type}/one_rank_empty", half)):
             for a, b in zip(ranks[0][key], ranks[1][key]):
                 assert torch.equal(a, b), f"{key}: the replicas' summed gradients differ"
