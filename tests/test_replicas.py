@@ -28,7 +28,7 @@ LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
 ROWS = 8  # the whole batch; each of two ranks trains on 4 rows
 
 
-def _batch(rows: slice) -> RolloutBatch:
+def _batch(rows: slice | torch.Tensor) -> RolloutBatch:
     """A fixed batch of ROWS completions of different lengths, two of them masked out of the loss."""
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 60, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
@@ -37,14 +37,12 @@ def _batch(rows: slice) -> RolloutBatch:
     logprobs = [(-torch.rand(len(c), generator=g) * 3).tolist() for c in completions]
     advantages = torch.randn(ROWS, generator=g)
     mask = [i not in (2, 5) for i in range(ROWS)]
-    full = RolloutBatch.build(prompts, completions, logprobs, advantages, mask)
-    full.old_logprobs = full.rollout_logprobs + 0.05 * torch.randn(full.rollout_logprobs.shape, generator=g)
-    return full.select(rows)
+    return RolloutBatch.build(prompts, completions, logprobs, advantages, mask).select(rows)
 
 
-def _update_grads(loss_type: str, replicas: Replicas, rows: slice | None, accum: int,
-                  recipe: str = "bf16") -> list[torch.Tensor]:
-    """The gradient of the one optimizer step `_update` makes over `rows` of the fixed batch (None: no batch)."""
+def _update_grads(loss_type: str, replicas: Replicas, rows: slice | torch.Tensor | None, accum: int,
+                  recipe: str = "bf16") -> list[list[torch.Tensor]]:
+    """The gradient of each optimizer step `_update` makes over `rows` of the fixed batch (None: no batch)."""
     torch.manual_seed(0)
     args = GRPOConfig(learning_rate=1e-3, num_generations=2, generation_batch_size=8 * replicas.world_size,
                       per_device_train_batch_size=2, gradient_accumulation_steps=accum, max_prompt_length=32,
@@ -55,9 +53,11 @@ def _update_grads(loss_type: str, replicas: Replicas, rows: slice | None, accum:
     grads: list[list[torch.Tensor]] = []
     trainer.optimizer.register_step_pre_hook(
         lambda opt, *_: grads.append([p.grad.cpu() for p in trainer.model.parameters()]))
-    trainer._update(None if rows is None else _batch(rows), {})
-    assert len(grads) == 1, f"expected one optimizer step, got {len(grads)}"
-    return grads[0]
+    batch = None if rows is None else _batch(rows)
+    if batch is not None:  # pi_old: the model's own logprobs, so that the ratios start at 1 and few tokens clip
+        trainer._old_logprobs(batch, {})
+    trainer._update(batch, {})
+    return grads
 
 
 def _worker(rank: int, world: int, store: str, out: str, empty_rank: int, device: str, recipe: str) -> None:
@@ -73,6 +73,9 @@ def _worker(rank: int, world: int, store: str, out: str, empty_rank: int, device
             result[loss_type] = _update_grads(loss_type, replicas, slice(4 * rank, 4 * rank + 4), 2, recipe)
             rows = None if rank == empty_rank else slice(4 * rank, 4 * rank + 4)
             result[f"{loss_type}/one_rank_empty"] = _update_grads(loss_type, replicas, rows, 2, recipe)
+            # rank 0: 2 micro-batches, rank 1: 1, one per optimizer step -- rank 1 adds zeros to the second step
+            rows = slice(0, 4) if rank == 0 else slice(4, 6)
+            result[f"{loss_type}/uneven"] = _update_grads(loss_type, replicas, rows, 1, recipe)
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -90,20 +93,25 @@ def test_two_ranks_make_the_one_process_step_for_every_loss_type(tmp_path, devic
         whole = _update_grads(loss_type, one, slice(0, ROWS), 4, recipe)
         # one process, rank 0's half only: what the step is when rank 1 has no batch
         half = _update_grads(loss_type, one, slice(0, 4), 2, recipe)
-        for key, expected in ((loss_type, whole), (f"{loss_type}/one_rank_empty", half)):
-            for a, b in zip(ranks[0][key], ranks[1][key]):
-                assert torch.equal(a, b), f"{key}: the replicas' summed gradients differ"
-            for i, (got, ref) in enumerate(zip(ranks[0][key], expected)):
-                assert ref.abs().max() > 0, f"{key}: parameter {i} has a zero gradient (the check would be empty)"
-                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-7, msg=f"{key}, parameter {i}")
+        # one process, the uneven ranks' micro-batches in their optimizer steps: {0:2, 4:6}, then {2:4}
+        uneven = _update_grads(loss_type, one, torch.tensor([0, 1, 4, 5, 2, 3]), 2, recipe)
+        assert len(whole) == len(half) == 1 and len(uneven) == 2
+        for key, expected in ((loss_type, whole), (f"{loss_type}/one_rank_empty", half),
+                              (f"{loss_type}/uneven", uneven)):
+            assert len(ranks[0][key]) == len(ranks[1][key]) == len(expected), f"{key}: optimizer steps"
+            for step, (got0, got1, ref_step) in enumerate(zip(ranks[0][key], ranks[1][key], expected)):
+                for i, (a, b, ref) in enumerate(zip(got0, got1, ref_step)):
+                    assert torch.equal(a, b), f"{key}: the replicas' summed gradients differ"
+                    assert ref.abs().max() > 0, f"{key}: parameter {i} has a zero gradient (an empty check)"
+                    torch.testing.assert_close(a, ref, rtol=1e-5, atol=1e-7, msg=f"{key}, step {step}, parameter {i}")
 
 
-def test_shard_and_seed():
+def test_shard():
     items = list(range(10))
     parts = [Replicas(r, 3).shard(items) for r in range(3)]
     assert parts == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert [Replicas(r, 3).shard_range(10) for r in range(3)] == [range(4), range(4, 7), range(7, 10)]
     assert Replicas().shard(items) == items
-    assert Replicas().seed(5) == 5 and Replicas(1, 2).seed(5) != 5
     with pytest.raises(ValueError, match="rank 2"):
         Replicas(2, 2)
 
@@ -132,19 +140,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _train(run_dir: Path, device: str, ranks: int, *overrides: str) -> subprocess.CompletedProcess:
+    path = [str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path)}
+    launch = ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(_free_port())]
+    proc = subprocess.run(
+        [sys.executable, *(launch if ranks > 1 else []), "-m", "jetrl", "train", "--preset", "tiny", "--run-dir",
+         str(run_dir), "grpo.max_steps=2", "grpo.generation_batch_size=16", "task.num_eval=6", "save_steps=1",
+         "keep_last=1", "progress=false", "tensorboard=false", f"device={device}", *overrides],
+        capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)"))])
 def test_torchrun_trains_two_replicas_that_rank_0_writes(tmp_path, device):
     run_dir = tmp_path / "run"
-    path = [str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-         "-m", "jetrl", "train", "--preset", "tiny", "--run-dir", str(run_dir), "grpo.max_steps=2",
-         "grpo.generation_batch_size=16", "grpo.per_device_train_batch_size=8", "task.num_eval=6",
-         "save_steps=1", "keep_last=1", "progress=false", "tensorboard=false", f"device={device}"],
-        capture_output=True, text=True, env=env, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _train(run_dir, device, 2, "grpo.per_device_train_batch_size=8")
     summaries = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"recipe"')]
     assert len(summaries) == 1, "rank 0 alone prints the summary line"
     summary = summaries[0]
@@ -156,3 +169,25 @@ def test_torchrun_trains_two_replicas_that_rank_0_writes(tmp_path, device):
     assert row["optimizer_steps"] == 2 and row["grad_norm"] > 0
     assert (run_dir / "checkpoints" / "step_000002" / "trainer_state.pt").is_file()
     assert not (run_dir / "checkpoints" / "step_000001").exists()  # keep_last=1: rank 0 alone saves and prunes
+
+
+@pytest.mark.parametrize("options", [
+    (),
+    ("grpo.loss_type=grpo", "grpo.num_iterations=2", "grpo.beta=0.05", "grpo.scale_rewards=batch",
+     "grpo.rollout_correction=tis", "grpo.old_logprobs=recompute"),
+], ids=["dapo", "grpo-2-iterations-kl-batch-std-tis"])
+def test_two_ranks_train_bit_for_bit_as_one_process(tmp_path, options):
+    """On the CPU the engine and the trainer are batch-invariant, and each prompt samples with the seed of its place
+    in the whole step: two ranks with micro-batches of 8 end with the very weights of one process that accumulates
+    the same two micro-batches (a sum of two gradients is exact in either order)."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    _train(two, "cpu", 2, "grpo.per_device_train_batch_size=8", *options)
+    _train(one, "cpu", 1, "grpo.per_device_train_batch_size=8", "grpo.gradient_accumulation_steps=2", *options)
+    weights = "checkpoints/step_000002/model.safetensors"
+    assert (two / weights).read_bytes() == (one / weights).read_bytes()
+    rows = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (two, one)]
+    for a, b in zip(*rows, strict=True):
+        for key in ("reward", "accuracy", "completions/mean_length", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6), (a["step"], key)
+    finals = [json.loads((run / "summary.json").read_text())["eval_accuracy_final"] for run in (two, one)]
+    assert finals[0] == pytest.approx(finals[1], abs=1e-12)

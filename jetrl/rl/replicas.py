@@ -4,8 +4,8 @@ Why replicas. The rollout engine runs the trainer's own modules on the weights q
 optimizer step (zero weight sync). A replica keeps exactly that: each rank samples its share of
 the step's prompts on its own copy, scores and trains on those samples, and the ranks sum their
 gradients before every optimizer step. Identical gradients into identical AdamW states keep the
-replicas bit-identical, so after the start (one broadcast from rank 0) no weight ever moves
-between ranks, and each rank's FP8 weight caches are refreshed from its own copy, as on one GPU.
+replicas bit-identical: every rank loads the same start (checked), no weight ever moves between
+ranks, and each rank's FP8 weight caches are refreshed from its own copy, as on one GPU.
 The cost is memory: each GPU holds the model, its gradients and its AdamW state (the whole 8B
 trains on one H200). Sharding them (FSDP2) is not implemented.
 
@@ -24,7 +24,12 @@ micro-batches (DAPO's dynamic sampling drops groups per rank): every rank makes 
 rank's number of optimizer steps, and a rank without micro-batches in step g adds zeros.
 
 Group advantages stay exact: a GRPO group never spans ranks (a rank samples whole prompts), and
-``scale_rewards='batch'`` takes its std over every rank's rewards (:meth:`Replicas.gather`).
+``scale_rewards='batch'`` takes its std over every rank's rewards (:meth:`Replicas.gather`). Prompt i
+of a step samples with the seed of its index in the whole step, whichever rank holds it, so the
+samples do not depend on the number of ranks. On the CPU, where the engine and the trainer are
+batch-invariant, N ranks with micro-batches of b therefore train bit for bit as one process with
+micro-batches of b and N times the gradient accumulation (tests/test_replicas.py; a sum of two
+gradients is exact in either order).
 
 Launch: ``torchrun --nproc_per_node N -m jetrl train ...``. NCCL on CUDA (rank r on
 ``cuda:LOCAL_RANK``), gloo on the CPU. With one process every method is the identity, so the
@@ -34,6 +39,7 @@ single-GPU path runs no collective at all.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -42,8 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-# rank r's sampling seeds are offset by r times this, so no two ranks draw the same random stream
-RANK_SEED_STRIDE = 1_000_000_007
+COLLECTIVE_TIMEOUT_MIN = 60  # how long a rank waits in a collective before the job is aborted
 BUCKET_ELEMENTS = 1 << 25  # gradients are all-reduced in flat buckets of up to 32M elements (one dtype each)
 
 
@@ -64,15 +69,16 @@ class Replicas:
         return self.world_size > 1
 
     # ------------------------------------------------------------------ work split
-    def shard(self, items: Sequence[Any]) -> list[Any]:
-        """This rank's contiguous block of ``items`` (the first ``len % world_size`` ranks hold one more)."""
-        base, extra = divmod(len(items), self.world_size)
+    def shard_range(self, n: int) -> range:
+        """The indices of this rank's contiguous block of ``n`` items (the first ``n % world_size`` ranks hold one
+        more)."""
+        base, extra = divmod(n, self.world_size)
         start = self.rank * base + min(self.rank, extra)
-        return list(items[start: start + base + (self.rank < extra)])
+        return range(start, start + base + (self.rank < extra))
 
-    def seed(self, seed: int) -> int:
-        """Rank 0 keeps ``seed`` (a one-process run is unchanged); rank r adds r * RANK_SEED_STRIDE."""
-        return seed + self.rank * RANK_SEED_STRIDE
+    def shard(self, items: Sequence[Any]) -> list[Any]:
+        """This rank's contiguous block of ``items``."""
+        return [items[i] for i in self.shard_range(len(items))]
 
     # ------------------------------------------------------------------ collectives
     def _reduce(self, values: Sequence[float], op: str) -> list[float]:
@@ -139,16 +145,6 @@ class Replicas:
             self.barrier()
 
     # ------------------------------------------------------------------ parameters and gradients
-    def broadcast_parameters(self, module: nn.Module) -> None:
-        """Rank 0's parameters and buffers on every rank (replicas start equal whatever each rank loaded)."""
-        if not self.distributed:
-            return
-        import torch.distributed as dist
-
-        with torch.no_grad():
-            for t in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(t.data, src=0)
-
     def reduce_gradients(self, module: nn.Module) -> None:
         """Sum every trainable parameter's gradient over the ranks, in place. A parameter that has a gradient on
         some rank gets one on every rank (zeros where it had none); one without a gradient anywhere keeps None,
@@ -175,18 +171,19 @@ class Replicas:
                 g.copy_(part.view_as(g))
 
     def check_in_sync(self, module: nn.Module, when: str) -> None:
-        """Raise if the replicas' parameters differ (a float64 checksum per rank). They cannot, unless a rank
-        changed its weights outside the trainer: training on would then average gradients of different models."""
+        """Raise if the replicas' parameters differ: per parameter, the sum of its bit patterns read as integers
+        (no float rounding). They cannot differ unless a rank loaded another start or
+        changed its weights outside the trainer; training on would then sum gradients of different models."""
         if not self.distributed:
             return
         with torch.no_grad():
-            local = [float(sum(p.detach().double().sum() for p in module.parameters())),
-                     float(sum((p.detach().double() ** 2).sum() for p in module.parameters()))]
-        sums = self.gather_objects(local)
-        if any(s != sums[0] for s in sums):
-            raise RuntimeError(f"{when}: the data-parallel replicas' weights differ (per-rank checksums {sums}); "
-                               "something changed one rank's weights outside the trainer. Resume from the last "
-                               "checkpoint")
+            local = [_checksum(p.detach()) for p in module.parameters()]
+        every = self.gather_objects(local)
+        differ = [name for (name, _), *sums in zip(module.named_parameters(), *every) if len(set(sums)) > 1]
+        if differ:
+            raise RuntimeError(f"{when}: the data-parallel replicas' weights differ ({len(differ)} parameters, first "
+                               f"{differ[0]}): the ranks loaded different starts, or something changed one rank's "
+                               "weights outside the trainer; start again, or resume from the last checkpoint")
 
     # ------------------------------------------------------------------ metrics
     def merge_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
@@ -210,6 +207,14 @@ class Replicas:
             else:
                 merged[key] = sum(finite) / len(finite)
         return merged
+
+
+def _checksum(t: torch.Tensor, chunk: int = 1 << 24) -> int:
+    """The sum of ``t``'s bit patterns read as integers of its width, in chunks (int64 temporaries of at most
+    ``chunk`` elements: the 8B's embedding alone would otherwise take 5 GB)."""
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    flat = t.contiguous().view(ints[t.element_size()]).reshape(-1)
+    return sum(int(part.sum(dtype=torch.int64)) for part in flat.split(chunk))
 
 
 def _buckets(grads: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
@@ -251,7 +256,10 @@ def init_replicas(device: str) -> tuple[Replicas, str]:
     else:
         device = "cpu"
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=torch.device(device) if cuda else None)
+        # rank 0 alone builds a built-in start's cache and writes checkpoints (tens of GB at 8B) while the others
+        # wait in a collective: NCCL's default 10 minutes could abort a run on a slow disk
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=torch.device(device) if cuda else None,
+                                timeout=datetime.timedelta(minutes=COLLECTIVE_TIMEOUT_MIN))
     if dist.get_world_size() != world:
         raise RuntimeError(f"WORLD_SIZE={world} but the process group has {dist.get_world_size()} ranks")
     return Replicas(dist.get_rank(), world, device), device

@@ -27,14 +27,15 @@ from jetrl.rl.config import GRPOConfig
 
 def rollout(engine: Engine, prompt_ids: list[list[int]], records: list[dict[str, Any]],
             reward_funcs: dict[str, Callable], args: GRPOConfig, seed: int,
-            accuracy_func: Callable | None = None, gather: Callable[[torch.Tensor], torch.Tensor] | None = None
-            ) -> tuple[RolloutBatch | None, dict[str, float], list[str]]:
-    """Generate, score and batch ``num_generations`` completions of every prompt. ``gather``: every data-parallel
-    rank's rewards from this rank's (replicas.py), for ``scale_rewards='batch'``."""
+            accuracy_func: Callable | None = None, gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+            seeds: list[int] | None = None) -> tuple[RolloutBatch | None, dict[str, float], list[str]]:
+    """Generate, score and batch ``num_generations`` completions of every prompt. Data parallel (replicas.py):
+    ``seeds`` pins each prompt's sample streams (by its index in the whole step), and ``gather`` gives every rank's
+    rewards from this rank's, for ``scale_rewards='batch'``."""
     G = args.num_generations
     params = SamplingParams(n=G, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_completion_length, seed=seed)
-    groups = engine.generate(prompt_ids, params)
+    groups = engine.generate(prompt_ids, params, seeds=seeds)
     completions = [c for group in groups for c in group]
     texts = [c.text if c.text is not None else "" for c in completions]
     columns = {key: [r.get(key) for r in records for _ in range(G)] for key in ("ground_truth", "task", "metadata")}

@@ -36,6 +36,7 @@ from torch import nn
 
 from jetrl.data import encode_prompts
 from jetrl.engine import Engine
+from jetrl.engine.sampling import prompt_seed
 from jetrl.fp8 import (
     Recipe,
     WeightRefresh,
@@ -182,14 +183,18 @@ class GRPOTrainer:
     def train_step(self) -> dict[str, float]:
         args, step, replicas = self.args, self.step, self.replicas
         t0 = self._clock()
-        idx = replicas.shard(self.prompt_indices(step))  # this rank's block of the step's prompts
+        seed = args.seed * 1_000_003 + step
+        block = replicas.shard_range(args.prompts_per_step)  # this rank's block of the step's prompts
+        step_prompts = self.prompt_indices(step)
+        idx = [step_prompts[i] for i in block]
         graphs = self.train_graphs is not None  # what the out-of-memory advice may name
         with oom_advice("rollout", args, step, self.model, graphs):
+            # each prompt samples with the seed of its place in the whole step, whichever rank holds it
             batch, metrics, _ = rollout(self.engine, [self.prompt_ids[i] for i in idx],
-                                        [self.records[i] for i in idx], self.reward_funcs, args,
-                                        seed=replicas.seed(args.seed * 1_000_003 + step),
+                                        [self.records[i] for i in idx], self.reward_funcs, args, seed=seed,
                                         accuracy_func=self.accuracy_func,
-                                        gather=replicas.gather if replicas.distributed else None)
+                                        gather=replicas.gather if replicas.distributed else None,
+                                        seeds=[prompt_seed(seed, i) for i in block])
         t1 = self._clock()
         if batch is not None:
             with oom_advice("old_logprobs", args, step, self.model, graphs):
@@ -330,7 +335,7 @@ class GRPOTrainer:
     # ------------------------------------------------------------------ state (checkpoints)
     def state_dict(self) -> dict[str, Any]:
         return {"rl_step": self.step, "optimizer_steps": self.optimizer_steps, "nonfinite_steps": self.nonfinite_steps,
-                "data_position": self.step * self.args.prompts_per_step}
+                "data_position": self.step * self.args.prompts_per_step, "world_size": self.replicas.world_size}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.step = state["rl_step"]

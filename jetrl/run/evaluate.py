@@ -30,12 +30,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def evaluate(engine: Engine, prompt_ids: list[list[int]], records: list[dict[str, Any]], *, max_tokens: int,
              num_samples: int = 1, temperature: float = 0.0, seed: int = 0,
-             correct_func: Callable = math_reward) -> dict[str, float]:
-    """{"pass@1", "pass@<n>" (n > 1), "num_problems", "mean_length"} on ``records``."""
+             correct_func: Callable = math_reward, seeds: list[int] | None = None) -> dict[str, float]:
+    """{"pass@1", "pass@<n>" (n > 1), "num_problems", "mean_length"} on ``records``. ``seeds``: one per problem
+    (default: the engine's, from ``seed`` and the problem's index here)."""
     if not records:
         raise ValueError("evaluate: no held-out records (set task.num_eval > 0 or task.eval_path)")
     params = SamplingParams(n=num_samples, temperature=temperature, max_tokens=max_tokens, seed=seed)
-    groups = engine.generate(prompt_ids, params)
+    groups = engine.generate(prompt_ids, params, seeds=seeds)
     pass1 = passk = length = 0.0
     for record, group in zip(records, groups):
         texts = [c.text or "" for c in group]

@@ -30,6 +30,7 @@ import torch
 import yaml
 
 from jetrl.data import encode_prompts
+from jetrl.engine.sampling import prompt_seed
 from jetrl.exact import exact_requested, use_exact
 from jetrl.rewards import correctness_func, resolve_reward_funcs
 from jetrl.rl.checkpoint import load_trainer_state, resume_checkpoint, save_checkpoint
@@ -40,7 +41,7 @@ from jetrl.rl.trainer import GRPOTrainer
 from jetrl.run.config import RunConfig, from_dict
 from jetrl.run.determinism import deterministic_algorithms
 from jetrl.run.evaluate import evaluate
-from jetrl.run.models import load_model, pinned_model_name
+from jetrl.run.models import load_model, model_path, pinned_model_name
 from jetrl.run.tasks import load_task
 
 
@@ -66,8 +67,8 @@ def run_training(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
     """Train ``cfg`` (in exact mode if ``cfg.exact``: jetrl/exact.py; with deterministic algorithms if
     ``cfg.deterministic``: jetrl/run/determinism.py) and return the run's summary; under torchrun, as one of
     its data-parallel replicas (module docstring)."""
-    replicas, device = init_replicas(cfg.device)
     with use_exact() if cfg.exact else contextlib.nullcontext(), deterministic_algorithms(cfg.deterministic):
+        replicas, device = init_replicas(cfg.device)  # after the cuBLAS workspace is fixed: NCCL starts CUDA
         result = _run_training(cfg, resume, replicas, device)
     close_replicas(replicas)  # after an error the process exits without it: the other ranks may be mid-collective
     return result
@@ -92,8 +93,9 @@ def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str)
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={cfg.device!r} but this torch sees no CUDA GPU; use device=auto or device=cpu")
-    with replicas.main_first():  # rank 0 builds a built-in start's cache, the others read it
-        model, tokenizer, source = load_model(cfg.model.name, cfg.model.dtype, recipe=cfg.recipe, device=device)
+    with replicas.main_first():  # rank 0 builds a built-in start's cache (the others wait), then all load it
+        model_path(cfg.model.name)
+    model, tokenizer, source = load_model(cfg.model.name, cfg.model.dtype, recipe=cfg.recipe, device=device)
     replicas.check_in_sync(model, "after loading the model")
     if not resume:
         # a directory is recorded as the checkpoint it resolved to: another run's `latest` moves on, and a resume
@@ -122,10 +124,13 @@ def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str)
         """pass@1 over every held-out problem, each rank evaluating its block of them."""
         if not eval_records:
             return None
-        ids, records = replicas.shard(eval_ids), replicas.shard(eval_records)
-        passed = evaluate(trainer.engine, ids, records, max_tokens=cfg.grpo.max_completion_length,
-                          num_samples=cfg.eval.num_samples, temperature=cfg.eval.temperature, seed=cfg.grpo.seed,
-                          correct_func=correct_func)["pass@1"] * len(records) if records else 0.0
+        block = replicas.shard_range(len(eval_records))
+        records = [eval_records[i] for i in block]
+        passed = evaluate(trainer.engine, [eval_ids[i] for i in block], records,
+                          max_tokens=cfg.grpo.max_completion_length, num_samples=cfg.eval.num_samples,
+                          temperature=cfg.eval.temperature, seed=cfg.grpo.seed, correct_func=correct_func,
+                          seeds=[prompt_seed(cfg.grpo.seed, i) for i in block],  # as one process would
+                          )["pass@1"] * len(records) if records else 0.0
         total, count = replicas.sum([passed, len(records)])
         return total / count
 
@@ -134,6 +139,11 @@ def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str)
         trainer.load_state(state)
         eval_initial = state["eval_accuracy_initial"]
         say(f"resumed from {checkpoint} at step {trainer.step}")
+        saved_world = state.get("world_size", 1)
+        if saved_world != replicas.world_size:
+            say(f"note: this run was saved by {saved_world} data-parallel rank(s) and continues on "
+                f"{replicas.world_size}: the samples are the same, but the gradients sum in another order, so it "
+                "will not end bit for bit where the uninterrupted run would")
     else:
         eval_initial = held_out()
     say(f"held-out accuracy before training: {_fmt(eval_initial)} ({len(eval_records)} problems)")
