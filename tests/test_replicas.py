@@ -153,11 +153,14 @@ def _train(run_dir: Path, device: str, ranks: int, *overrides: str) -> subproces
     return proc
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)"))])
-def test_torchrun_trains_two_replicas_that_rank_0_writes(tmp_path, device):
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_torchrun_on_two_gpus(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _train(run_dir, device, 2, "grpo.per_device_train_batch_size=8")
+    _check_run_of_two_ranks(run_dir, _train(run_dir, "cuda", 2, "grpo.per_device_train_batch_size=8"))
+
+
+def _check_run_of_two_ranks(run_dir: Path, proc: subprocess.CompletedProcess) -> None:
+    """Rank 0 alone wrote the run: one summary line, one metrics line per step, its checkpoints pruned."""
     summaries = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"recipe"')]
     assert len(summaries) == 1, "rank 0 alone prints the summary line"
     summary = summaries[0]
@@ -166,7 +169,7 @@ def test_torchrun_trains_two_replicas_that_rank_0_writes(tmp_path, device):
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
     row = json.loads(lines[-1])
-    assert row["optimizer_steps"] == 2 and row["grad_norm"] > 0
+    assert row["optimizer_steps"] >= 2 and row["grad_norm"] > 0
     assert (run_dir / "checkpoints" / "step_000002" / "trainer_state.pt").is_file()
     assert not (run_dir / "checkpoints" / "step_000001").exists()  # keep_last=1: rank 0 alone saves and prunes
 
@@ -181,7 +184,7 @@ def test_two_ranks_train_bit_for_bit_as_one_process(tmp_path, options):
     in the whole step: two ranks with micro-batches of 8 end with the very weights of one process that accumulates
     the same two micro-batches (a sum of two gradients is exact in either order)."""
     two, one = tmp_path / "two", tmp_path / "one"
-    _train(two, "cpu", 2, "grpo.per_device_train_batch_size=8", *options)
+    _check_run_of_two_ranks(two, _train(two, "cpu", 2, "grpo.per_device_train_batch_size=8", *options))
     _train(one, "cpu", 1, "grpo.per_device_train_batch_size=8", "grpo.gradient_accumulation_steps=2", *options)
     weights = "checkpoints/step_000002/model.safetensors"
     assert (two / weights).read_bytes() == (one / weights).read_bytes()

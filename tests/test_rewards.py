@@ -168,7 +168,7 @@ def test_evaluate_counts_full_credit_of_the_given_answer_reward():
     from jetrl.run.evaluate import evaluate
 
     class Engine:
-        def generate(self, prompt_ids, params):
+        def generate(self, prompt_ids, params, seeds=None):
             return [[Completion([1], [0.0], "stop", None, text) for text in ("a", "b", "c", "d")]]
 
     def graded(completions, **kwargs):
