@@ -44,9 +44,11 @@ def _update_grads(loss_type: str, replicas: Replicas, rows: slice | torch.Tensor
                   recipe: str = "bf16") -> list[list[torch.Tensor]]:
     """The gradient of each optimizer step `_update` makes over `rows` of the fixed batch (None: no batch)."""
     torch.manual_seed(0)
-    args = GRPOConfig(learning_rate=1e-3, num_generations=2, generation_batch_size=8 * replicas.world_size,
+    # a tiny step: the second optimizer step of the uneven case must see (nearly) the same policy on every path --
+    # AdamW's first step is sign-like and would turn rounding-level gradient differences into lr-sized ones
+    args = GRPOConfig(learning_rate=1e-9, num_generations=2, generation_batch_size=8 * replicas.world_size,
                       per_device_train_batch_size=2, gradient_accumulation_steps=accum, max_prompt_length=32,
-                      max_completion_length=8, loss_type=loss_type, max_grad_norm=0.0)
+                      max_completion_length=8, loss_type=loss_type, max_grad_norm=0.0, old_logprobs="recompute")
     train, _ = synthetic_split(16, 0, 0)
     trainer = GRPOTrainer(CausalLM(tiny_model_config()).to(replicas.device), "math", args, train,
                           tokenizer=Tokenizer(build_tiny_tokenizer()), recipe=recipe, replicas=replicas)
@@ -103,7 +105,8 @@ def test_two_ranks_make_the_one_process_step_for_every_loss_type(tmp_path, devic
                 for i, (a, b, ref) in enumerate(zip(got0, got1, ref_step)):
                     assert torch.equal(a, b), f"{key}: the replicas' summed gradients differ"
                     assert ref.abs().max() > 0, f"{key}: parameter {i} has a zero gradient (an empty check)"
-                    torch.testing.assert_close(a, ref, rtol=1e-5, atol=1e-7, msg=f"{key}, step {step}, parameter {i}")
+                    err = float((a - ref).abs().max() / ref.abs().max())  # normwise: sums in another order
+                    assert err < 1e-5, f"{key}, step {step}, parameter {i}: max error {err:.2e} of its max"
 
 
 def test_shard():
