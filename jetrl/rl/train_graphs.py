@@ -160,9 +160,10 @@ class TrainingGraphs:
         return (tuple(cache.epoch for cache in self._caches),
                 tuple((id(p), p._version, p.data_ptr(), p.requires_grad) for p in params))
 
-    def _bind_grads(self) -> None:
+    def bind_grads(self) -> None:
         """Just before a backward replay: hand each parameter the ``.grad`` tensor the graph adds into (module
-        docstring)."""
+        docstring). Also what a data-parallel rank without micro-batches in an optimizer step calls, so that the
+        gradient sum it joins with zeros reuses these tensors instead of allocating a second set."""
         changed = [(p, buf) for p, buf in self._grads if p.grad is not buf]
         for p, buf in changed:  # check them all before touching any
             grad = p.grad
@@ -205,7 +206,7 @@ class TrainingGraphs:
                     p.grad = torch.zeros_like(p)
             self._grads = [(p, p.grad) for p in trained]
         if train:
-            self._bind_grads()  # the backward is captured adding into these
+            self.bind_grads()  # the backward is captured adding into these
         static_x = x.detach().clone().requires_grad_(train)
         positions = torch.arange(length, device=x.device).expand(rows, length)
         cos, sin = self.decoder.rotary_emb(positions, x.dtype)
@@ -272,7 +273,7 @@ class _Replay(torch.autograd.Function):
             raise RuntimeError("CUDA-graphed training: this backward belongs to a forward whose activations a later "
                                "forward has overwritten; run each micro-batch's backward before the next forward "
                                "(or set grpo.train_cuda_graphs='off')")
-        ctx.owner._bind_grads()
+        ctx.owner.bind_grads()
         ctx.graph.grad_out.copy_(grad)
         ctx.graph.bwd.replay()
         return (ctx.graph.grad_x if ctx.needs_input_grad[0] else None), None, None, None

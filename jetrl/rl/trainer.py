@@ -283,6 +283,8 @@ class GRPOTrainer:
                     entropy_count += float(mask.sum())
                     if iteration == 0 and g == 0:  # before this step's first optimizer update
                         first_pass.append((lp.detach().cpu(), sub.rollout_logprobs, sub.token_mask()))
+                if g >= len(groups) and self.train_graphs is not None:
+                    self.train_graphs.bind_grads()  # the zeros this rank adds: the graphs' own gradient tensors
                 grad_norms.append(self._optimizer_step(loss_sum))
         if micro:
             metrics.update({k: v / micro for k, v in stats_sum.items()})
