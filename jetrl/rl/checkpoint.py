@@ -112,23 +112,28 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, tokenizer:
 
 def load_trainer_state(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Restore model weights (in place), optimizer and RNG states from checkpoint ``path``; return its state."""
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     path = Path(path)
     try:
-        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
-        tensors = {}
-        for file in sorted(path.glob("*.safetensors")):
-            tensors.update(load_file(file))
+        # memory-mapped, and the weights read one tensor at a time: N data-parallel ranks resuming on one node share
+        # the page cache instead of each holding the whole optimizer state and model in its own memory
+        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False, mmap=True)
+        files = [safe_open(str(file), "pt") for file in sorted(path.glob("*.safetensors"))]
+        where = {name: f for f in files for name in f.keys()}  # noqa: SIM118 -- safe_open has no __iter__
     except Exception as err:  # torch, pickle and safetensors each raise their own type for a bad file
         raise ValueError(_damaged(path, err)) from err
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name not in tensors:
+            if name not in where:
                 if name == "lm_head.weight" and model.config.tie_word_embeddings:
                     continue
                 raise ValueError(f"checkpoint {path} has no tensor {name!r}; was it written by another model?")
-            param.copy_(tensors[name].to(param.dtype))
+            try:
+                tensor = where[name].get_tensor(name)
+            except Exception as err:  # a truncated file fails here, not at open
+                raise ValueError(_damaged(path, err)) from err
+            param.copy_(tensor.to(param.dtype))
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
