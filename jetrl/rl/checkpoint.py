@@ -120,7 +120,7 @@ def load_trainer_state(path: str | Path, model: nn.Module, optimizer: torch.opti
         # the page cache instead of each holding the whole optimizer state and model in its own memory
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False, mmap=True)
         files = [safe_open(str(file), "pt") for file in sorted(path.glob("*.safetensors"))]
-        where = {name: f for f in files for name in f.keys()}  # noqa: SIM118 -- safe_open has no __iter__
+        where = {name: f for f in files for name in f.keys()}  # noqa: SIM118 -- safe_open objects are not iterable
     except Exception as err:  # torch, pickle and safetensors each raise their own type for a bad file
         raise ValueError(_damaged(path, err)) from err
     with torch.no_grad():
