@@ -172,8 +172,8 @@ class Replicas:
 
     def check_in_sync(self, module: nn.Module, when: str) -> None:
         """Raise if the replicas' parameters differ: per parameter, the sum of its bit patterns read as integers
-        (no float rounding). They cannot differ unless a rank loaded another start or
-        changed its weights outside the trainer; training on would then sum gradients of different models."""
+        (no float rounding). They cannot differ unless a rank loaded another start or changed its weights outside
+        the trainer; training on would then sum gradients of different models."""
         if not self.distributed:
             return
         with torch.no_grad():
