@@ -143,17 +143,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(run_dir: Path, device: str, ranks: int, *overrides: str) -> subprocess.CompletedProcess:
+def _jetrl_train(ranks: int, *args: str) -> subprocess.CompletedProcess:
+    """`jetrl train ARGS` in one process, or under torchrun with `ranks` processes; it must succeed."""
     path = [str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path)}
     launch = ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(_free_port())]
-    proc = subprocess.run(
-        [sys.executable, *(launch if ranks > 1 else []), "-m", "jetrl", "train", "--preset", "tiny", "--run-dir",
-         str(run_dir), "grpo.max_steps=2", "grpo.generation_batch_size=16", "task.num_eval=6", "save_steps=1",
-         "keep_last=1", "progress=false", "tensorboard=false", f"device={device}", *overrides],
-        capture_output=True, text=True, env=env, timeout=600, check=False)
+    proc = subprocess.run([sys.executable, *(launch if ranks > 1 else []), "-m", "jetrl", "train", *args],
+                          capture_output=True, text=True, env=env, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def _train(run_dir: Path, device: str, ranks: int, *overrides: str) -> subprocess.CompletedProcess:
+    """Two RL steps of the tiny preset, 16 completions each, a checkpoint after each."""
+    return _jetrl_train(ranks, "--preset", "tiny", "--run-dir", str(run_dir), "grpo.max_steps=2",
+                        "grpo.generation_batch_size=16", "task.num_eval=6", "save_steps=1", "keep_last=1",
+                        "progress=false", "tensorboard=false", f"device={device}", *overrides)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
@@ -197,3 +202,16 @@ def test_two_ranks_train_bit_for_bit_as_one_process(tmp_path, options):
             assert a[key] == pytest.approx(b[key], rel=1e-6), (a["step"], key)
     finals = [json.loads((run / "summary.json").read_text())["eval_accuracy_final"] for run in (two, one)]
     assert finals[0] == pytest.approx(finals[1], abs=1e-12)
+
+
+def test_two_ranks_resume_bit_for_bit(tmp_path):
+    """`--resume` under torchrun continues where the uninterrupted two-rank run would have been, bit for bit."""
+    run = tmp_path / "run"
+    _train(run, "cpu", 2, "grpo.per_device_train_batch_size=8", "keep_last=2")
+    weights = run / "checkpoints" / "step_000002" / "model.safetensors"
+    uninterrupted = weights.read_bytes()
+    (run / "checkpoints" / "latest").write_text("step_000001")  # as if killed during step 2
+    proc = _jetrl_train(2, "--run-dir", str(run), "--resume")
+    assert "resumed from" in proc.stdout and "note:" not in proc.stdout
+    assert weights.read_bytes() == uninterrupted
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]

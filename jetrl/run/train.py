@@ -142,8 +142,8 @@ def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str)
         saved_world = state.get("world_size", 1)
         if saved_world != replicas.world_size:
             say(f"note: this run was saved by {saved_world} data-parallel rank(s) and continues on "
-                f"{replicas.world_size}: prompts keep their sampling seeds, but the gradients sum in another order, "
-                "so it will not end bit for bit where the uninterrupted run would")
+                f"{replicas.world_size}: prompts keep their sampling seeds, but micro-batches and gradient "
+                "accumulation are per rank, so its optimizer steps are not the uninterrupted run's")
     else:
         eval_initial = held_out()
     say(f"held-out accuracy before training: {_fmt(eval_initial)} ({len(eval_records)} problems)")
