@@ -68,8 +68,35 @@ def test_reasoning_gym_scorers_get_the_metadata_they_compare_against(tmp_path):
         assert rewards == [1.0, 1.0], task
         save_records(records, tmp_path / f"{task}.jsonl")
         assert len(load_records(tmp_path / f"{task}.jsonl")) == 2
-    with pytest.raises(ValueError, match="'graph_color' has no gold answers .*choose another task"):
+    with pytest.raises(ValueError, match=r"'graph_color' has no gold answers .*task.reward_funcs=\['reasoning_gym'\]"):
         reasoning_gym_records("graph_color", 2, seed=0)  # its scorer reads the metadata only
+
+
+def test_a_reasoning_gym_task_without_gold_answers_trains_on_its_own_scorer(tmp_path):
+    """graph_color has no gold answers: its scorer checks a coloring against the graph. With the reasoning-gym reward
+    (and the format reward) its records keep ground_truth None, a valid coloring scores 1, and the held-out
+    correctness uses the same scorer; with the math reward it is one error naming the fix, before any model loads."""
+    pytest.importorskip("reasoning_gym")
+    import json
+
+    from jetrl.rewards import compute_rewards, correctness_func
+    from jetrl.run.config import TaskConfig
+    from jetrl.run.tasks import load_task
+
+    options = {"source": "reasoning_gym", "name": "graph_color", "num_train": 6, "num_eval": 2}
+    train, held_out = load_task(TaskConfig(**options, reward_funcs=["reasoning_gym", "format"]))
+    assert len(train) == 6 and len(held_out) == 2
+    assert all(r["ground_truth"] is None for r in train + held_out)
+    answers = [rf"\boxed{{{json.dumps(r['metadata']['possible_answer'])}}}" for r in train]
+    columns = {key: [r.get(key) for r in train] for key in ("ground_truth", "task", "metadata")}
+    rewards = compute_rewards(["reasoning_gym"], answers, **columns)["reasoning_gym"]
+    assert rewards == [1.0] * 6
+    assert correctness_func(["reasoning_gym", "format"])(answers, **columns) == [1.0] * 6
+    assert compute_rewards(["reasoning_gym"], ["no idea"] * 6, **columns)["reasoning_gym"] == [0.0] * 6
+    save_records(train, tmp_path / "graph_color.jsonl")  # written JSON-safe (None stays null)
+    assert json.loads((tmp_path / "graph_color.jsonl").read_text().splitlines()[0])["ground_truth"] is None
+    with pytest.raises(ValueError, match="has no gold answers"):
+        load_task(TaskConfig(**options, reward_funcs=["math"]))
 
 
 @pytest.mark.parametrize("task", ["gsm_symbolic", "basic_arithmetic", "chain_sum"])

@@ -4,13 +4,17 @@ Why one schema: the trainer, the eval loop and the reward functions should not c
 problem came from reasoning-gym, the synthetic generator or a user's verl parquet. A record is
 
     {"prompt": [{"role": "user", "content": "What is 23 + 58?"}, ...],   # chat messages
-     "ground_truth": "81",                                                # gold answer, a str
+     "ground_truth": "81",                                                # gold answer, a str (*)
      "task": "synthetic",                                                 # source / scorer name
      "metadata": {...}}                                                   # optional; JSON-safe in files
 
 ``prompt`` is always a list of chat messages (a plain string becomes one user message), so the
 tokenizer's chat template is the only place prompts are formatted. ``ground_truth`` and ``task``
 reach the reward functions as TRL dataset columns of the same names.
+
+(*) or None, only for a reasoning-gym task whose scorer checks an answer against the problem itself
+(graph_color, rush_hour, ...; ``make_record(..., require_answer=False)``): the reward that can score
+it is that scorer, which the run's task config then has to use (jetrl/run/tasks.py checks it).
 """
 
 from __future__ import annotations
@@ -65,11 +69,15 @@ def json_safe(value: Any) -> Any:
 
 
 def make_record(prompt: str | Sequence[Mapping[str, Any]], ground_truth: Any, task: str,
-                metadata: Mapping[str, Any] | None = None) -> Record:
-    """A validated record (see the module docstring)."""
-    if ground_truth is None or (isinstance(ground_truth, str) and not ground_truth.strip()):
+                metadata: Mapping[str, Any] | None = None, *, require_answer: bool = True) -> Record:
+    """A validated record (see the module docstring); ``require_answer=False`` lets ``ground_truth`` be None."""
+    if ground_truth is None and not require_answer:
+        gold = None
+    elif ground_truth is None or (isinstance(ground_truth, str) and not ground_truth.strip()):
         raise ValueError("record has no gold answer")
-    record: Record = {"prompt": to_messages(prompt), "ground_truth": str(ground_truth).strip(), "task": str(task)}
+    else:
+        gold = str(ground_truth).strip()
+    record: Record = {"prompt": to_messages(prompt), "ground_truth": gold, "task": str(task)}
     if metadata:
         record["metadata"] = json_safe(dict(metadata))
     return record

@@ -8,7 +8,9 @@ on, and procedurally generated problems have exact gold answers and unlimited su
   question gets an instruction to box the answer (the convention of ``jetrl.rewards``); the
   entry's metadata is kept as reasoning-gym made it, so the ``reasoning_gym`` reward gives the
   task's scorer what it compares against (arc_agi's grids are tuples, which JSON would turn into
-  lists and the scorer into a mismatch); ``save_records`` writes it JSON-safe.
+  lists and the scorer into a mismatch); ``save_records`` writes it JSON-safe. Some tasks have no
+  gold answer at all (graph_color, rush_hour, rubiks_cube, ...: the scorer checks an answer against
+  the problem): ``allow_no_answer=True`` keeps them, with ``ground_truth`` None.
   Two seeds can generate the same problem; take a held-out set with ``split_eval``.
 * ``synthetic_split`` needs no dependency: "What is 23 + 58?" -> "81" over a finite problem
   space, for a tiny model trained from scratch. Problems are drawn without replacement with
@@ -32,8 +34,9 @@ _COMMUTATIVE = {"+", "*"}
 
 
 def reasoning_gym_records(task: str, size: int, seed: int, *, instruction: str | None = BOXED_INSTRUCTION,
-                          **config: Any) -> list[Record]:
-    """``size`` reasoning-gym problems of ``task`` as records; ``config`` goes to its dataset config."""
+                          allow_no_answer: bool = False, **config: Any) -> list[Record]:
+    """``size`` reasoning-gym problems of ``task`` as records; ``config`` goes to its dataset config. A task without
+    gold answers is an error unless ``allow_no_answer`` (its records then hold ``ground_truth`` None)."""
     try:
         import reasoning_gym
     except ImportError as e:
@@ -47,12 +50,14 @@ def reasoning_gym_records(task: str, size: int, seed: int, *, instruction: str |
                          f"see the task's config class in reasoning_gym") from e
     records = []
     for entry in dataset:
-        if entry["answer"] is None:
+        if entry["answer"] is None and not allow_no_answer:
             raise ValueError(f"reasoning-gym task {task!r} has no gold answers (its scorer checks an answer against "
                              "each problem's metadata: boxnet, graph_color, propositional_logic, rubiks_cube, "
-                             "rush_hour, ...); jetrl's records need one: choose another task")
+                             "rush_hour, ...): only its own scorer can reward it, so train it with "
+                             "task.reward_funcs=['reasoning_gym'] (optionally with 'format'), or choose another task")
         question = entry["question"] if instruction is None else f"{entry['question']}\n{instruction}"
-        record = make_record(question, entry["answer"], task, metadata=entry.get("metadata"))
+        record = make_record(question, entry["answer"], task, metadata=entry.get("metadata"),
+                             require_answer=not allow_no_answer)
         if entry.get("metadata"):
             record["metadata"] = dict(entry["metadata"])  # the scorer's own objects (module docstring)
         records.append(record)

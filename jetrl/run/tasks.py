@@ -7,6 +7,8 @@ from typing import Any
 from jetrl.data import load_records, reasoning_gym_records, split_eval, synthetic_split
 from jetrl.data.datasets import DatasetError
 
+ANSWER_FREE_REWARDS = {"reasoning_gym", "format"}  # the registered rewards that never read a gold answer
+
 
 def load_task(task: Any) -> tuple[list[dict], list[dict]]:
     """(train, held-out) records for a :class:`jetrl.run.config.TaskConfig`; held-out never in train."""
@@ -20,7 +22,10 @@ def load_task(task: Any) -> tuple[list[dict], list[dict]]:
     if task.source == "synthetic":
         return synthetic_split(task.num_train, task.num_eval, task.seed, ops=list(task.name))
     if task.source == "reasoning_gym":
-        records = reasoning_gym_records(task.name, task.num_train + task.num_eval, task.seed, **task.options)
+        # a task without gold answers can train only on rewards that do not read one (its own scorer, the format)
+        answer_free = bool(task.reward_funcs) and set(task.reward_funcs) <= ANSWER_FREE_REWARDS
+        records = reasoning_gym_records(task.name, task.num_train + task.num_eval, task.seed,
+                                        allow_no_answer=answer_free, **task.options)
         if task.num_eval == 0:
             return records, []
         return split_eval(records, task.num_eval, task.seed)
