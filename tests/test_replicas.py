@@ -1,8 +1,10 @@
-"""Data-parallel replicas (jetrl/rl/replicas.py) on the CPU: two gloo ranks against one process.
+"""Data-parallel replicas (jetrl/rl/replicas.py): two gloo ranks against one process.
 
-The claim under test: two ranks that each train on half of a batch make the same optimizer step as one
-process over the whole batch -- the same summed gradient for every loss type, also when one rank has no
-batch at all -- and `torchrun -m jetrl train` runs a whole data-parallel run that rank 0 alone writes.
+The claims under test: two ranks that each train on part of a batch make the optimizer steps of one
+process over the same micro-batches -- the same summed gradient for every loss type, with an empty rank
+and with uneven ranks (on the CPU, and on one GPU where there is one); on the CPU a whole `torchrun -m
+jetrl train` run of two ranks ends bit for bit where one process does, also resumed; rank 0 alone writes
+the run. A 2-GPU machine also runs it over NCCL.
 """
 
 import json
@@ -54,7 +56,7 @@ def _update_grads(loss_type: str, replicas: Replicas, rows: slice | torch.Tensor
                           tokenizer=Tokenizer(build_tiny_tokenizer()), recipe=recipe, replicas=replicas)
     grads: list[list[torch.Tensor]] = []
     trainer.optimizer.register_step_pre_hook(
-        lambda opt, *_: grads.append([p.grad.cpu() for p in trainer.model.parameters()]))
+        lambda opt, *_: grads.append([p.grad.detach().clone().cpu() for p in trainer.model.parameters()]))
     batch = None if rows is None else _batch(rows)
     if batch is not None:  # pi_old: the model's own logprobs, so that the ratios start at 1 and few tokens clip
         trainer._old_logprobs(batch, {})
