@@ -97,6 +97,13 @@ def test_a_reasoning_gym_task_without_gold_answers_trains_on_its_own_scorer(tmp_
     assert json.loads((tmp_path / "graph_color.jsonl").read_text().splitlines()[0])["ground_truth"] is None
     with pytest.raises(ValueError, match="has no gold answers"):
         load_task(TaskConfig(**options, reward_funcs=["math"]))
+    # the same records from a file: kept under the answer-free rewards (and still scored 1), refused under math
+    file_task = {"source": "file", "path": str(tmp_path / "graph_color.jsonl"), "num_eval": 0}
+    loaded, _ = load_task(TaskConfig(**file_task, reward_funcs=["reasoning_gym"]))
+    columns = {key: [r.get(key) for r in loaded] for key in ("ground_truth", "task", "metadata")}
+    assert compute_rewards(["reasoning_gym"], answers, **columns)["reasoning_gym"] == [1.0] * 6
+    with pytest.raises(DatasetError, match=r"no gold answer.*task.reward_funcs=\['reasoning_gym'\]"):
+        load_task(TaskConfig(**file_task, reward_funcs=["math"]))
 
 
 @pytest.mark.parametrize("task", ["gsm_symbolic", "basic_arithmetic", "chain_sum"])

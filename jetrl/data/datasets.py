@@ -50,16 +50,19 @@ def _first(raw: Mapping[str, Any], keys: Sequence[str]) -> Any:
     return None
 
 
-def normalize_record(raw: Any, *, where: str, default_task: str) -> Record:
-    """One raw row (verl or plain format) -> a record; ``where`` prefixes every error ("file:line")."""
+def normalize_record(raw: Any, *, where: str, default_task: str, require_answer: bool = True) -> Record:
+    """One raw row (verl or plain format) -> a record; ``where`` prefixes every error ("file:line");
+    ``require_answer=False`` keeps a row without a gold answer (records.py: a task scored without one)."""
     if not isinstance(raw, Mapping):
         raise DatasetError(f"{where}: expected a JSON object, got {type(raw).__name__}")
     prompt = _first(raw, PROMPT_KEYS)
     if prompt is None:
         raise DatasetError(f"{where}: record has no prompt; expected one of {', '.join(PROMPT_KEYS)}")
     gold = _first(raw, GOLD_KEYS)
-    if gold is None:
-        raise DatasetError(f"{where}: record has no gold answer; expected one of {', '.join(GOLD_KEYS)}")
+    if gold is None and require_answer:
+        raise DatasetError(f"{where}: record has no gold answer; expected one of {', '.join(GOLD_KEYS)} (only a "
+                           "task whose rewards read none, task.reward_funcs=['reasoning_gym'] and/or 'format', "
+                           "may leave it out)")
     metadata = raw.get("metadata")
     if isinstance(metadata, str):
         try:
@@ -68,7 +71,8 @@ def normalize_record(raw: Any, *, where: str, default_task: str) -> Record:
             raise DatasetError(f"{where}: metadata is a string but not JSON: {e.msg}") from None
     task = _first(raw, ("task", "data_source")) or default_task
     try:
-        return make_record(prompt, gold, task, metadata if isinstance(metadata, Mapping) else None)
+        return make_record(prompt, gold, task, metadata if isinstance(metadata, Mapping) else None,
+                           require_answer=require_answer)
     except ValueError as e:
         raise DatasetError(f"{where}: {e}") from None
 
@@ -131,8 +135,9 @@ def _read_parquet(path: Path) -> list[tuple[str, Any]]:
     return [(f"{path}: row {i}", row) for i, row in enumerate(rows)]
 
 
-def load_records(path: str | Path, *, default_task: str | None = None) -> list[Record]:
-    """All records of a .jsonl/.json/.parquet file, normalized (see the module docstring)."""
+def load_records(path: str | Path, *, default_task: str | None = None, require_answer: bool = True) -> list[Record]:
+    """All records of a .jsonl/.json/.parquet file, normalized (see the module docstring); ``require_answer=False``
+    keeps rows without a gold answer."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"dataset file not found: {path}" + (" (it is a directory)" if path.is_dir() else ""))
@@ -145,7 +150,8 @@ def load_records(path: str | Path, *, default_task: str | None = None) -> list[R
     if not rows:
         raise DatasetError(f"{path}: dataset file is empty (no records)")
     task = default_task or path.stem
-    return [normalize_record(row, where=where, default_task=task) for where, row in rows]
+    return [normalize_record(row, where=where, default_task=task, require_answer=require_answer)
+            for where, row in rows]
 
 
 def save_records(records: Sequence[Record], path: str | Path) -> None:

@@ -21,19 +21,19 @@ def load_task(task: Any) -> tuple[list[dict], list[dict]]:
         return train[: task.num_train], held_out[: task.num_eval]
     if task.source == "synthetic":
         return synthetic_split(task.num_train, task.num_eval, task.seed, ops=list(task.name))
+    # a task without gold answers can train only on rewards that do not read one (its own scorer, the format)
+    answer_free = bool(task.reward_funcs) and set(task.reward_funcs) <= ANSWER_FREE_REWARDS
     if task.source == "reasoning_gym":
-        # a task without gold answers can train only on rewards that do not read one (its own scorer, the format)
-        answer_free = bool(task.reward_funcs) and set(task.reward_funcs) <= ANSWER_FREE_REWARDS
         records = reasoning_gym_records(task.name, task.num_train + task.num_eval, task.seed,
                                         allow_no_answer=answer_free, **task.options)
         if task.num_eval == 0:
             return records, []
         return split_eval(records, task.num_eval, task.seed)
-    records = load_records(task.path)
+    records = load_records(task.path, require_answer=not answer_free)
     if not records:
         raise DatasetError(f"dataset file {task.path} holds no records")
     if task.eval_path:
-        eval_records = load_records(task.eval_path)
+        eval_records = load_records(task.eval_path, require_answer=not answer_free)
         return records, eval_records[: task.num_eval] if task.num_eval else eval_records
     if task.num_eval == 0:
         return records, []
