@@ -68,6 +68,11 @@ class GRPOConfig:
     rollout_correction: str = _f("none", "'none', 'tis' (truncated IS) or 'mis' (masked IS / IcePop)")
     rollout_correction_threshold: float = _f(2.0, "C of TIS/MIS (> 1)")
     nonfinite_step: str = _f("skip", "a step whose loss or gradient is NaN/Inf: 'skip' it or 'stop' the run")
+    # --- data parallel (torchrun; jetrl/rl/replicas.py)
+    shard_optimizer_state: bool = _f(False, "data parallel: each rank keeps the AdamW state of its share of the "
+                                     "parameters only (ZeRO-1), dividing that memory by the rank count; the owner "
+                                     "broadcasts each updated parameter, so the replicas stay bit-identical. No effect "
+                                     "on one process")
     # --- speed
     train_cuda_graphs: str | bool = _f("auto", "replay the decoder layers' training forward+backward from CUDA graphs, "
                                        "one per micro-batch shape: 'on' (or true), 'off' (or false), or 'auto' (on "

@@ -6,8 +6,11 @@ the step's prompts on its own copy, scores and trains on those samples, and the 
 gradients before every optimizer step. Identical gradients into identical AdamW states keep the
 replicas bit-identical: every rank loads the same start (checked), no weight ever moves between
 ranks, and each rank's FP8 weight caches are refreshed from its own copy, as on one GPU.
-The cost is memory: each GPU holds the model, its gradients and its AdamW state (the whole 8B
-trains on one H200). Sharding them (FSDP2) is not implemented.
+The cost is memory: each GPU holds the model and its gradients (the whole 8B trains on one H200),
+and its AdamW state unless ``grpo.shard_optimizer_state`` splits that over the ranks (ZeRO-1,
+:meth:`Replicas.optimizer`: each rank updates its share of the parameters and broadcasts it).
+Sharding the parameters and gradients too (FSDP2) is not implemented: the rollout would then
+gather every weight before each quantization, which replicas never need.
 
 The math. Optimizer step g of one RL step sums the losses of its micro-batches m with the loss
 type's weights w_m (trainer.py ``_micro_batch_weight``):
@@ -144,7 +147,27 @@ class Replicas:
         if self.is_main:
             self.barrier()
 
-    # ------------------------------------------------------------------ parameters and gradients
+    # ------------------------------------------------------------------ parameters, gradients, optimizer
+    def optimizer(self, params: list[nn.Parameter], cls: type[torch.optim.Optimizer], *, shard: bool = False,
+                  **kwargs: Any) -> torch.optim.Optimizer:
+        """``cls(params, **kwargs)``; with ``shard`` and more than one rank, ZeRO-1: torch's
+        ``ZeroRedundancyOptimizer``, where each rank holds the state of its share of the parameters (whole tensors,
+        balanced by size), updates that share from the summed gradients and broadcasts it. The update of each
+        parameter is the one ``cls`` makes, so replicas stay bit-identical (tests/test_replicas.py)."""
+        if not (shard and self.distributed):
+            return cls(params, **kwargs)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
+
+    @staticmethod
+    def gather_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+        """Before rank 0 saves ``optimizer.state_dict()``: a sharded optimizer gathers its shards there (a
+        collective: every rank calls this); a whole one has nothing to do."""
+        consolidate = getattr(optimizer, "consolidate_state_dict", None)
+        if consolidate is not None:
+            consolidate(to=0)
+
     def reduce_gradients(self, module: nn.Module) -> None:
         """Sum every trainable parameter's gradient over the ranks, in place. A parameter that has a gradient on
         some rank gets one on every rank (zeros where it had none); one without a gradient anywhere keeps None,

@@ -95,10 +95,13 @@ class GRPOTrainer:
         # fused AdamW on CUDA: one pass over parameters, gradients and states instead of foreach's dozen
         # (foreach: 38 ms of GPU time per step at 2.8B parameters, bench/profile_training.py); CPU keeps
         # its default implementation
-        self.optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay,
-                                           betas=(args.adam_beta1, args.adam_beta2),
-                                           fused=all(p.is_cuda for p in params) or None)
-        track_optimizer(self.optimizer)  # fused AdamW does not bump parameter versions: the FP8 caches key on them
+        self.optimizer = self.replicas.optimizer(
+            params, torch.optim.AdamW, shard=args.shard_optimizer_state, lr=args.learning_rate,
+            weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2),
+            fused=all(p.is_cuda for p in params) or None)
+        # fused AdamW does not bump parameter versions (nor does a sharded optimizer's broadcast of the updated ones):
+        # the FP8 caches key on them
+        track_optimizer(self.optimizer)
         self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if args.beta > 0 else None
         if self.ref_model is not None:  # it scores whole sequences (large M): a stacked BF16 copy would buy nothing
             remove_stacked_projections(self.ref_model)

@@ -159,6 +159,7 @@ def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str)
             logger.log(step, metrics)
         if (cfg.save_steps and step % cfg.save_steps == 0) or step == cfg.grpo.max_steps:
             replicas.check_in_sync(model, f"checkpoint of step {step}")
+            replicas.gather_optimizer_state(trainer.optimizer)
             if main:
                 save_checkpoint(run_dir, step, model, tokenizer, trainer.optimizer,
                                 {**trainer.state_dict(), "eval_accuracy_initial": eval_initial},
