@@ -165,9 +165,10 @@ class GRPOConfig:
                              f"{self.num_generations}) evenly: make the prompts per step a multiple of {world_size}")
         local = self.generation_batch_size // world_size
         if local % self.per_device_train_batch_size:
-            raise ValueError(f"each of the {world_size} data-parallel ranks samples {local} completions per step, not a "
-                             f"multiple of grpo.per_device_train_batch_size={self.per_device_train_batch_size}: set "
-                             f"grpo.per_device_train_batch_size={math.gcd(local, self.per_device_train_batch_size)} "
+            size = self.per_device_train_batch_size
+            raise ValueError(f"each of the {world_size} data-parallel ranks samples {local} completions per step, "
+                             f"not a multiple of grpo.per_device_train_batch_size={size}: set "
+                             f"grpo.per_device_train_batch_size={math.gcd(local, size)} "
                              "(or another divisor of that), or raise grpo.generation_batch_size")
         return local
 
