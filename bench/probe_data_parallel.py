@@ -10,7 +10,7 @@ capture), ``STEPS`` steps are timed on every rank; a step's time is the slowest 
 weights are equal after the steps (``check_in_sync``), every completion is full length, every update applied.
 Rank 0 prints one JSON line per recipe and writes them to ``$OUT/data_parallel_<world>.json``.
 Env: RECIPES (default ``bf16,jet``), PROMPTS (8), GENERATIONS (8), PROMPT (128), COMPLETION (1024), LAYERS (36),
-MICRO (8), STEPS (2); SMOKE=1 takes the bench's smoke shapes (a CPU check of this script: SMOKE=1 COMPLETION=8
+MICRO (8), STEPS (2), SHARD=1 (``grpo.shard_optimizer_state``: ZeRO-1); SMOKE=1 takes the bench's smoke shapes (a CPU check of this script: SMOKE=1 COMPLETION=8
 PROMPT=8 LAYERS=2 MICRO=4 torchrun --nproc_per_node 2 bench/probe_data_parallel.py).
 """
 
@@ -50,7 +50,8 @@ def main() -> None:
         args = GRPOConfig(max_steps=1_000_000, learning_rate=1e-6, num_generations=generations,
                           generation_batch_size=prompts * generations, per_device_train_batch_size=micro,
                           gradient_accumulation_steps=max(local // micro, 1), max_prompt_length=prompt,
-                          max_completion_length=completion, temperature=1.0)
+                          max_completion_length=completion, temperature=1.0,
+                          shard_optimizer_state=os.environ.get("SHARD") == "1")
         strip_precision(model)
         trainer = GRPOTrainer(model, [parity_reward], args, records, tokenizer=IdTokenizer(), recipe=recipe,
                               accuracy_func=None, replicas=replicas)
@@ -73,6 +74,7 @@ def main() -> None:
                "per_rank": local, "shape": f"{prompt}+{completion}", "layers": layers, "step_s": step_s,
                "completions_per_s": prompts * generations / step_s, "phases_s": phases,
                "optimizer_steps": trainer.optimizer_steps, "nonfinite_steps": trainer.nonfinite_steps,
+               "shard_optimizer_state": args.shard_optimizer_state,
                "check": "ok" if all(n == completion for n in lengths) and not trainer.nonfinite_steps else
                f"FAIL mean lengths {lengths}, {trainer.nonfinite_steps} non-finite steps",
                "replicas_in_sync": True, "torch": torch.__version__,
