@@ -23,7 +23,7 @@ from jetrl.models.tiny import build_tiny_tokenizer, tiny_model_config
 from jetrl.models.tokenizer import Tokenizer
 from jetrl.rl.batch import RolloutBatch
 from jetrl.rl.config import GRPOConfig
-from jetrl.rl.replicas import Replicas
+from jetrl.rl.replicas import Replicas, with_weight
 from jetrl.rl.trainer import GRPOTrainer
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
@@ -134,9 +134,9 @@ def test_a_batch_the_ranks_cannot_split_is_an_actionable_error(overrides, match)
                     recipe="bf16", replicas=Replicas(0, 2))
 
 
-def test_merge_metrics_is_the_identity_on_one_process():
-    metrics = {"reward": 0.5, "time/step": 1.0}
-    assert Replicas().merge_metrics(metrics) is metrics
+def test_merge_metrics_on_one_process_only_drops_the_weights():
+    metrics = with_weight({"entropy": 0.5}, 12.0) | {"reward": 0.25, "time/step": 1.0}
+    assert Replicas().merge_metrics(metrics) == {"entropy": 0.5, "reward": 0.25, "time/step": 1.0}
 
 
 def _free_port() -> int:
@@ -200,9 +200,11 @@ def test_two_ranks_train_bit_for_bit_as_one_process(tmp_path, options):
     weights = "checkpoints/step_000002/model.safetensors"
     assert (two / weights).read_bytes() == (one / weights).read_bytes()
     rows = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (two, one)]
-    for a, b in zip(*rows, strict=True):
-        for key in ("reward", "accuracy", "completions/mean_length", "grad_norm"):
-            assert a[key] == pytest.approx(b[key], rel=1e-6), (a["step"], key)
+    for a, b in zip(*rows, strict=True):  # every metric: token-level means are merged with their weights
+        assert a.keys() == b.keys() and "entropy" in a and "clip_ratio/region_mean" in a
+        for key in a:
+            if not key.startswith("time/"):
+                assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-12), (a["step"], key)
     finals = [json.loads((run / "summary.json").read_text())["eval_accuracy_final"] for run in (two, one)]
     assert finals[0] == pytest.approx(finals[1], abs=1e-12)
 

@@ -30,6 +30,13 @@ MISMATCH_KEYS = (
 )
 
 
+def mismatch_weights(mask: Tensor) -> dict[str, float]:
+    """What each of :data:`MISMATCH_KEYS` averages over for ``mask``: its tokens, or for ``log_ppl_abs_diff`` its
+    sequences with a token (data-parallel ranks merge their metrics weighted by these: replicas.py)."""
+    tokens, sequences = float(mask.sum()), float((mask.sum(-1) > 0).sum())
+    return {key: sequences if key == "rollout_corr/log_ppl_abs_diff" else tokens for key in MISMATCH_KEYS}
+
+
 @torch.no_grad()
 def mismatch_metrics(trainer_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> dict[str, float]:
     """All of :data:`MISMATCH_KEYS` from (B, T) per-token logprobs and a completion mask."""

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
+WEIGHT = "@weight"  # metrics[key + WEIGHT]: what metrics[key] averages over, for the merge over ranks
 COLLECTIVE_TIMEOUT_MIN = 60  # how long a rank waits in a collective before the job is aborted
 BUCKET_ELEMENTS = 1 << 25  # gradients are all-reduced in flat buckets of up to 32M elements (one dtype each)
 
@@ -211,25 +212,39 @@ class Replicas:
     # ------------------------------------------------------------------ metrics
     def merge_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """One metrics dict for the step from every rank's: a maximum (``*max*``) and a time (``time/*``, the
-        slowest rank) over ranks, anything else the mean over the ranks that report it. Completion-level metrics
-        (reward, accuracy, lengths) are exact -- every rank samples as many completions; token-level ones
-        (mismatch, entropy, clip fractions) are means of the ranks' means."""
+        slowest rank) over ranks; a mean that comes with its weight (``key + WEIGHT``: its tokens, sequences or
+        micro-batches) the weighted mean, so it equals one process's over the same data (up to rounding); anything
+        else -- completion-level means, every rank sampling as many completions -- the plain mean. Weights are not
+        logged."""
         if not self.distributed:
-            return metrics
+            return {k: v for k, v in metrics.items() if not k.endswith(WEIGHT)}
         merged: dict[str, float] = {}
         every = self.gather_objects(metrics)
-        for key in dict.fromkeys(k for m in every for k in m):
-            values = [m[key] for m in every if key in m and isinstance(m[key], (int, float))]
-            if not values:
+        for key in dict.fromkeys(k for m in every for k in m if not k.endswith(WEIGHT)):
+            rows = [m for m in every if isinstance(m.get(key), (int, float))]
+            if not rows:
                 continue
-            finite = [v for v in values if math.isfinite(v)] or values
-            if all(v == finite[0] for v in finite):  # counters and the shared grad_norm keep their value and type
-                merged[key] = finite[0]
+            values = [m[key] for m in rows]
+            weights = [m.get(key + WEIGHT) for m in rows]
+            if all(v == values[0] for v in values):  # counters and the shared grad_norm keep their value and type
+                merged[key] = values[0]
             elif "max" in key or key.startswith("time/"):
-                merged[key] = max(finite)
+                merged[key] = max(values, key=lambda v: (math.isfinite(v), v))
+            elif all(w is not None for w in weights) and sum(weights) > 0:
+                merged[key] = sum(v * w for v, w in zip(values, weights) if w) / sum(weights)
             else:
+                finite = [v for v in values if math.isfinite(v)] or values
                 merged[key] = sum(finite) / len(finite)
         return merged
+
+
+def with_weight(stats: dict[str, float], weight: float | dict[str, float]) -> dict[str, float]:
+    """``stats`` and, for each, the weight :meth:`Replicas.merge_metrics` averages it with over ranks (one for all,
+    or one per key)."""
+    out = dict(stats)
+    for key in stats:
+        out[key + WEIGHT] = weight[key] if isinstance(weight, dict) else weight
+    return out
 
 
 def _checksum(t: torch.Tensor, chunk: int = 1 << 24) -> int:

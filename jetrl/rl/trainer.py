@@ -55,8 +55,8 @@ from jetrl.rl.config import GRPOConfig
 from jetrl.rl.correction import rollout_correction_weights
 from jetrl.rl.loss import policy_loss
 from jetrl.rl.memory import oom_advice
-from jetrl.rl.metrics import mismatch_metrics
-from jetrl.rl.replicas import Replicas
+from jetrl.rl.metrics import mismatch_metrics, mismatch_weights
+from jetrl.rl.replicas import Replicas, with_weight
 from jetrl.rl.rollout import rollout
 from jetrl.rl.train_graphs import TrainingGraphs, auto_enabled, unsupported_reason
 
@@ -217,7 +217,9 @@ class GRPOTrainer:
         if self.old_logprobs_source == "recompute":
             with torch.no_grad():
                 batch.old_logprobs = self._forward_logprobs(self.model, batch, self.graphed_hidden_states())
-            metrics.update(mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, batch.token_mask()))
+            mask = batch.token_mask()
+            metrics.update(with_weight(mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, mask),
+                                       mismatch_weights(mask)))
         else:
             batch.old_logprobs = batch.rollout_logprobs.clone()
         if self.ref_model is not None:
@@ -254,7 +256,7 @@ class GRPOTrainer:
             weights, corr_stats = rollout_correction_weights(batch.old_logprobs, batch.rollout_logprobs,
                                                              batch.completion_mask, args.rollout_correction,
                                                              args.rollout_correction_threshold)
-            metrics.update(corr_stats)
+            metrics.update(with_weight(corr_stats, float(batch.completion_mask.sum())))
         stats_sum: dict[str, float] = {}
         first_pass: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # for reused-logprob mismatch
         entropy_sum = entropy_count = 0.0
@@ -290,8 +292,8 @@ class GRPOTrainer:
                     self.train_graphs.bind_grads()  # the zeros this rank adds: the graphs' own gradient tensors
                 grad_norms.append(self._optimizer_step(loss_sum))
         if micro:
-            metrics.update({k: v / micro for k, v in stats_sum.items()})
-            metrics["entropy"] = entropy_sum / max(entropy_count, 1.0)
+            metrics.update(with_weight({k: v / micro for k, v in stats_sum.items()}, micro))  # micro-batch means
+            metrics.update(with_weight({"entropy": entropy_sum / max(entropy_count, 1.0)}, entropy_count))
         finite = [g for g in grad_norms if math.isfinite(g)]
         metrics["grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
         if self.old_logprobs_source == "rollout" and first_pass:
@@ -368,4 +370,4 @@ def _mismatch_of(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -
     def cat(i: int) -> torch.Tensor:
         return torch.cat([torch.nn.functional.pad(p[i], (0, width - p[i].shape[1])) for p in parts])
 
-    return mismatch_metrics(cat(0), cat(1), cat(2))
+    return with_weight(mismatch_metrics(cat(0), cat(1), cat(2)), mismatch_weights(cat(2)))
