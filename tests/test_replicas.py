@@ -111,12 +111,9 @@ def test_two_ranks_make_the_one_process_step_for_every_loss_type(tmp_path, devic
                     assert err < 1e-5, f"{key}, step {step}, parameter {i}: max error {err:.2e} of its max"
 
 
-def test_shard():
-    items = list(range(10))
-    parts = [Replicas(r, 3).shard(items) for r in range(3)]
-    assert parts == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+def test_shard_range():
     assert [Replicas(r, 3).shard_range(10) for r in range(3)] == [range(4), range(4, 7), range(7, 10)]
-    assert Replicas().shard(items) == items
+    assert Replicas().shard_range(10) == range(10)
     with pytest.raises(ValueError, match="rank 2"):
         Replicas(2, 2)
 

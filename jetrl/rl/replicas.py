@@ -80,10 +80,6 @@ class Replicas:
         start = self.rank * base + min(self.rank, extra)
         return range(start, start + base + (self.rank < extra))
 
-    def shard(self, items: Sequence[Any]) -> list[Any]:
-        """This rank's contiguous block of ``items``."""
-        return [items[i] for i in self.shard_range(len(items))]
-
     # ------------------------------------------------------------------ collectives
     def _reduce(self, values: Sequence[float], op: str) -> list[float]:
         if not self.distributed:

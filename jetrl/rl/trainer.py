@@ -306,8 +306,6 @@ class GRPOTrainer:
         self.replicas.reduce_gradients(self.model)
         loss = self.replicas.sum([float(loss)])[0]
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if not params:  # no micro-batch anywhere produced a gradient
-            return float("nan")
         if args.max_grad_norm > 0:
             norm = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
         else:
