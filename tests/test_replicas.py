@@ -154,8 +154,10 @@ def _jetrl_train(ranks: int, *args: str) -> subprocess.CompletedProcess:
 
 
 def _train(run_dir: Path, device: str, ranks: int, *overrides: str) -> subprocess.CompletedProcess:
-    """Two RL steps of the tiny preset, 16 completions each, a checkpoint after each."""
+    """Two RL steps of the tiny preset, 16 completions each, a checkpoint after each. Micro-batches in rollout order:
+    grouped by length, one process would regroup the rows two ranks hold apart (jetrl/rl/micro_batches.py)."""
     return _jetrl_train(ranks, "--preset", "tiny", "--run-dir", str(run_dir), "grpo.max_steps=2",
+                        "grpo.group_by_length=false",
                         "grpo.generation_batch_size=16", "task.num_eval=6", "save_steps=1", "keep_last=1",
                         "progress=false", "tensorboard=false", f"device={device}", *overrides)
 

@@ -19,7 +19,7 @@ from jetrl.fp8.convert import float8_modules
 from jetrl.fp8.refresh_graph import WeightRefresh
 from jetrl.models import CausalLM, ModelConfig
 from jetrl.rl import GRPOConfig
-from jetrl.rl.train_graphs import TrainingGraphs, unsupported_reason
+from jetrl.rl.train_graphs import AUTO_MAX_LENGTHS, TrainingGraphs, auto_length_multiple, unsupported_reason
 
 from .conftest import requires_sm90
 
@@ -31,8 +31,19 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs nee
 def test_config_checks():
     with pytest.raises(ValueError, match="train_cuda_graphs"):
         GRPOConfig(train_cuda_graphs="yes")
-    with pytest.raises(ValueError, match="train_graph_length_multiple"):
-        GRPOConfig(train_graph_length_multiple=0)
+    for bad in (0, "x"):
+        with pytest.raises(ValueError, match="train_graph_length_multiple.*'auto' or an int"):
+            GRPOConfig(train_graph_length_multiple=bad)
+    assert GRPOConfig().train_graph_length_multiple == "auto"
+
+
+def test_auto_length_multiple_bounds_the_shapes():
+    """'auto' keeps 128 up to 1024 tokens, then grows in steps of 128 so that every length up to the longest
+    sequence pads to one of at most 8 lengths (grouped micro-batches span them all)."""
+    assert [auto_length_multiple(n) for n in (1, 512, 1024, 1025, 4608)] == [128, 128, 128, 256, 640]
+    for n in range(1, 20000, 37):
+        multiple = auto_length_multiple(n)
+        assert multiple % 128 == 0 and -(-n // multiple) <= AUTO_MAX_LENGTHS
     assert GRPOConfig(train_cuda_graphs=True).train_cuda_graphs == "on"  # YAML's reading of an override's "on"
     assert GRPOConfig(train_cuda_graphs=False).train_cuda_graphs == "off"
 

@@ -74,19 +74,33 @@ class GRPOConfig:
                                      "broadcasts each updated parameter, so the replicas stay bit-identical. No effect "
                                      "on one process")
     # --- speed
+    group_by_length: bool = _f(True, "form each optimizer step's micro-batches from its rows sorted by length, so "
+                               "each is trimmed to rows of similar length (less padding computed; the same rows per "
+                               "optimizer step); with eager layers (no train_cuda_graphs) a micro-batch of short "
+                               "rows takes more of them, up to the positions of the step's longest micro-batch. "
+                               "Under loss_type=bnpo, whose loss is a per-micro-batch mean, the update keeps "
+                               "rollout order; false makes data-parallel runs bit-identical across rank counts "
+                               "(jetrl/rl/micro_batches.py)")
     train_cuda_graphs: str | bool = _f("auto", "replay the decoder layers' training forward+backward from CUDA graphs, "
                                        "one per micro-batch shape: 'on' (or true), 'off' (or false), or 'auto' (on "
                                        "for models of up to 3.5B parameters on CUDA, where eager training is "
                                        "host-bound; jetrl/rl/train_graphs.py says what it costs)")
-    train_graph_length_multiple: int = _f(128, "with train_cuda_graphs, micro-batch lengths are padded up to a "
-                                          "multiple of this (fewer shapes to capture against more padding)")
+    train_graph_length_multiple: int | str = _f("auto", "with train_cuda_graphs, micro-batch lengths are padded up "
+                                                "to a multiple of this (fewer shapes to capture against more "
+                                                "padding); 'auto': 128, or coarser where the longest sequence "
+                                                "(max_prompt_length + max_completion_length) would otherwise need "
+                                                "more than 8 lengths, so the captured shapes stay within the "
+                                                "graphs' cache when micro-batches are grouped by length")
 
     def __post_init__(self) -> None:
         if isinstance(self.train_cuda_graphs, bool):  # YAML reads an override's on/off as a boolean
             self.train_cuda_graphs = "on" if self.train_cuda_graphs else "off"
         positive = ("max_steps", "num_generations", "generation_batch_size", "max_prompt_length",
                     "max_completion_length", "per_device_train_batch_size", "gradient_accumulation_steps",
-                    "num_iterations", "train_graph_length_multiple")
+                    "num_iterations")
+        multiple = self.train_graph_length_multiple
+        if multiple != "auto" and (not isinstance(multiple, int) or isinstance(multiple, bool) or multiple < 1):
+            raise ValueError(f"grpo.train_graph_length_multiple={multiple!r} must be 'auto' or an int >= 1")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -7,8 +7,9 @@
                   for recipes whose rollout graph is the training graph, ``jet`` and ``jet_kv``)
     mismatch      design.md §6 metrics: trainer vs rollout logprobs of the sampled tokens   metrics.py
     correction    TIS / MIS weights from old vs rollout logprobs (off by default)           correction.py
-    update        num_iterations epochs of micro-batches: policy_loss (loss.py), gradient
-                  accumulation, clipping, a non-finite check, AdamW, then every FP8 weight is
+    update        num_iterations epochs of micro-batches, rows of similar length together
+                  (micro_batches.py): policy_loss (loss.py), gradient accumulation, clipping,
+                  a non-finite check, AdamW, then every FP8 weight is
                   quantized once for the new version (refresh_weight_caches; on CUDA replayed
                   from a CUDA graph, refresh_graph.py); with grpo.train_cuda_graphs
                   (on CUDA, by default up to 3.5B parameters) the decoder layers'
@@ -56,9 +57,10 @@ from jetrl.rl.correction import rollout_correction_weights
 from jetrl.rl.loss import policy_loss
 from jetrl.rl.memory import oom_advice
 from jetrl.rl.metrics import mismatch_metrics, mismatch_weights
+from jetrl.rl.micro_batches import forward_order, plan
 from jetrl.rl.replicas import Replicas, with_weight
 from jetrl.rl.rollout import rollout
-from jetrl.rl.train_graphs import TrainingGraphs, auto_enabled, unsupported_reason
+from jetrl.rl.train_graphs import TrainingGraphs, auto_enabled, auto_length_multiple, unsupported_reason
 
 
 class NonFiniteStepError(RuntimeError):
@@ -147,7 +149,10 @@ class GRPOTrainer:
             raise ValueError(f"grpo.train_cuda_graphs='on' cannot apply: {problem}; use 'auto' or 'off'")
         if problem or (choice == "auto" and not auto_enabled(self.model)):
             return None
-        return TrainingGraphs(self.model, self.args.train_graph_length_multiple)
+        multiple = self.args.train_graph_length_multiple
+        if multiple == "auto":
+            multiple = auto_length_multiple(self.args.max_prompt_length + self.args.max_completion_length)
+        return TrainingGraphs(self.model, multiple)
 
     def graphed_hidden_states(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """The CUDA graphs' ``hidden_states``, or None (eager)."""
@@ -228,11 +233,13 @@ class GRPOTrainer:
 
     def _forward_logprobs(self, model: nn.Module, batch: RolloutBatch,
                           hidden: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        size, temperature = self.args.per_device_train_batch_size, self.args.temperature
-        parts = [completion_logprobs(model, batch.select(slice(i, i + size)), temperature,
-                                     hidden_states=hidden)[0].cpu() for i in range(0, len(batch), size)]
-        width = batch.completion_ids.shape[1]
-        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+        args = self.args
+        out = torch.zeros(batch.completion_ids.shape)
+        for rows in forward_order(batch.prompt_lengths + batch.completion_lengths, args.per_device_train_batch_size,
+                                  args.group_by_length, pack=hidden is None):  # graphed: one shape per bucket
+            part = completion_logprobs(model, batch.select(rows), args.temperature, hidden_states=hidden)[0].cpu()
+            out[rows, : part.shape[1]] = part
+        return out
 
     def _update(self, batch: RolloutBatch | None, metrics: dict[str, float]) -> None:
         """``num_iterations`` epochs of optimizer steps over the batch. Data parallel, every rank makes as many
@@ -240,16 +247,16 @@ class GRPOTrainer:
         ranks (replicas.py); ``batch`` is None on a rank whose groups dynamic sampling dropped entirely."""
         args = self.args
         size, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
-        rows = len(batch) if batch is not None else 0
-        starts = list(range(0, rows, size))
-        groups = [[slice(s, s + size) for s in starts[i: i + accum]] for i in range(0, len(starts), accum)]
+        hidden = self.graphed_hidden_states()
+        groups = [] if batch is None else plan(batch.prompt_lengths + batch.completion_lengths, size, accum,
+                                               args.group_by_length and args.loss_type != "bnpo", pack=hidden is None)
         steps = int(self.replicas.max([len(groups)])[0])
         if steps == 0:  # no rank kept a group
             return
         counts = [0.0] * (3 * steps)  # per optimizer step: tokens, sequences, micro-batches (summed over ranks)
         for g, group in enumerate(groups):
             counts[3 * g: 3 * g + 3] = [sum(float(batch.completion_mask[r].sum()) for r in group),
-                                        sum(min(r.stop, rows) - r.start for r in group), len(group)]
+                                        sum(len(r) for r in group), len(group)]
         counts = self.replicas.sum(counts)
         weights = None
         if batch is not None:
@@ -262,7 +269,6 @@ class GRPOTrainer:
         entropy_sum = entropy_count = 0.0
         grad_norms: list[float] = []
         micro = 0
-        hidden = self.graphed_hidden_states()
         for iteration in range(args.num_iterations):
             for g in range(steps):
                 tokens, sequences, micro_batches = counts[3 * g: 3 * g + 3]
