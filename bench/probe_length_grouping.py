@@ -31,7 +31,7 @@ from jetrl.bench.shapes import QWEN3_SHAPES, h200_config, smoke_config
 from jetrl.bench.synthetic import random_prompts, random_records
 from jetrl.bench.training import _time_phase, _trainer
 from jetrl.rl.batch import RolloutBatch
-from jetrl.rl.micro_batches import forward_order, padded_positions, plan
+from jetrl.rl.micro_batches import padded_positions, plan
 
 
 def _env(name: str, default: int) -> int:
@@ -55,11 +55,7 @@ def _arm(trainer, arm: str):
     trainer.args.group_by_length = arm != "plain"
     if arm != "grouped":
         return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    for name, fn in (("plan", plan), ("forward_order", forward_order)):
-        stack.enter_context(unittest.mock.patch.object(trainer_module, name,
-                                                       lambda *a, fn=fn, **k: fn(*a, **{**k, "pack": False})))
-    return stack
+    return unittest.mock.patch.object(trainer_module, "plan", lambda *a, **k: plan(*a, **{**k, "pack": False}))
 
 
 def main() -> None:
@@ -74,8 +70,10 @@ def main() -> None:
     batch = spread_batch(rows, prompt, low, high, cfg.vocab)
     lengths = batch.prompt_lengths + batch.completion_lengths
     accum = rows // micro
-    plans = {"plain": plan(lengths, micro, accum, False), "grouped": plan(lengths, micro, accum, True),
-             "packed": plan(lengths, micro, accum, True, pack=True)}
+    completions = batch.completion_lengths
+    plans = {"plain": plan(lengths, completions, micro, accum, False),
+             "grouped": plan(lengths, completions, micro, accum, True),
+             "packed": plan(lengths, completions, micro, accum, True, pack=True)}
     shape = {arm: {"micro_batches": sum(len(step) for step in p),
                    "positions": padded_positions(lengths, [mb for step in p for mb in step])}
              for arm, p in plans.items()}

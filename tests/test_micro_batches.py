@@ -15,54 +15,71 @@ from jetrl.models.tiny import build_tiny_tokenizer, tiny_model_config
 from jetrl.models.tokenizer import Tokenizer
 from jetrl.rl.batch import RolloutBatch
 from jetrl.rl.config import GRPOConfig
-from jetrl.rl.micro_batches import forward_order, padded_positions, plan
+from jetrl.rl.micro_batches import padded_positions, plan
 from jetrl.rl.trainer import GRPOTrainer
 
 ROWS = 16
 
 
+LENGTHS = torch.tensor([5, 40, 7, 40, 12, 3, 30, 9, 22, 1, 17, 40, 8, 2, 26])  # 15 rows: a short last step
+COMPLETIONS = LENGTHS - 1  # one prompt token each
+
+
 def test_plan_keeps_each_step_rows_and_sorts_within_it():
-    lengths = torch.tensor([5, 40, 7, 40, 12, 3, 30, 9, 22, 1, 17, 40, 8, 2, 26])  # 15 rows: a short last step
-    plain, grouped = plan(lengths, 3, 2, False), plan(lengths, 3, 2, True)
+    plain, grouped = plan(LENGTHS, COMPLETIONS, 3, 2, False), plan(LENGTHS, COMPLETIONS, 3, 2, True)
     assert [[mb.tolist() for mb in step] for step in plain] == [
         [[0, 1, 2], [3, 4, 5]], [[6, 7, 8], [9, 10, 11]], [[12, 13, 14]]]
     assert len(grouped) == len(plain)
     for g_step, p_step in zip(grouped, plain, strict=True):
         assert sorted(torch.cat(g_step).tolist()) == torch.cat(p_step).tolist()  # the same rows per step
         assert [len(mb) for mb in g_step] == [len(mb) for mb in p_step]
-        order = lengths[torch.cat(g_step)]
+        order = LENGTHS[torch.cat(g_step)]
         assert bool((order[:-1] >= order[1:]).all())  # longest first
-        assert padded_positions(lengths, g_step) <= padded_positions(lengths, p_step)
+        assert padded_positions(LENGTHS, g_step) <= padded_positions(LENGTHS, p_step)
     assert grouped[0][0].tolist() == [1, 3, 4]  # ties (rows 1 and 3 at 40) keep rollout order
-    assert forward_order(lengths, 4, True)[0].tolist() == [1, 3, 11, 6]
-    assert torch.cat(forward_order(lengths, 4, False)).tolist() == list(range(15))
-    assert [[mb.tolist() for mb in step] for step in plan(lengths, 3, 2, False, pack=True)] == [
+    assert [[mb.tolist() for mb in step] for step in plan(LENGTHS, COMPLETIONS, 3, 2, False, pack=True)] == [
         [mb.tolist() for mb in step] for step in plain]  # packing applies to grouped rows only
 
 
 def test_packing_makes_fewer_micro_batches_within_the_longest_ones_positions():
-    lengths = torch.tensor([5, 40, 7, 40, 12, 3, 30, 9, 22, 1, 17, 40, 8, 2, 26])
-    grouped, packed = plan(lengths, 3, 2, True), plan(lengths, 3, 2, True, pack=True)
+    grouped, packed = plan(LENGTHS, COMPLETIONS, 3, 2, True), plan(LENGTHS, COMPLETIONS, 3, 2, True, pack=True)
     assert [[mb.tolist() for mb in step] for step in packed] == [
         [[1, 3], [4, 2, 0, 5]],  # budget 3 x 40; the short rows fill up first, so no 40 is padded into them
         [[11, 6], [8, 10, 7, 9]],
         [[14, 12, 13]]]  # 3 x 26: all three fit
     for g_step, p_step in zip(grouped, packed, strict=True):
         assert torch.equal(torch.cat(g_step), torch.cat(p_step))  # the same rows in the same order
-        budget = 3 * int(lengths[p_step[0]].max())
-        assert all(len(mb) * int(lengths[mb].max()) <= budget for mb in p_step)
+        budget = 3 * int(LENGTHS[p_step[0]].max())
+        assert all(len(mb) * int(LENGTHS[mb].max()) <= budget for mb in p_step)
     wide = torch.tensor([100] + [10] * 20)  # one long row: the short ones share one micro-batch of its budget
-    assert [len(mb) for mb in plan(wide, 4, 8, True, pack=True)[0]] == [1, 20]
-    assert [len(mb) for mb in forward_order(wide, 4, True, pack=True)] == [1, 20]
+    assert [len(mb) for mb in plan(wide, wide - 1, 4, 8, True, pack=True)[0]] == [1, 20]
+
+
+def test_packing_stays_within_one_row_per_micro_batch():
+    """size = 1 (a large model's setting): rows of one length each stay alone, whatever the ties."""
+    same = torch.full((4,), 8)
+    assert [len(mb) for mb in plan(same, same, 1, 4, True, pack=True)[0]] == [1, 1, 1, 1]
+    assert [mb.tolist() for mb in plan(torch.tensor([5, 5, 3]), torch.tensor([4, 4, 2]), 1, 3, True, pack=True)[0]] \
+        == [[0], [1], [2]]
+
+
+def test_packing_never_holds_more_logits_than_rollout_order():
+    """The LM head's logits are rows x the longest completion: two rows with long prompts set the positions budget
+    (2 x 1024), but four short-prompt rows with 500-token completions would hold 2000 logit rows, twice what any
+    micro-batch of 2 rows holds in rollout order (2 x 500)."""
+    prompts, completions = torch.tensor([1000, 1000, 10, 10, 10, 10]), torch.tensor([24, 24, 500, 500, 500, 500])
+    packed = plan(prompts + completions, completions, 2, 3, True, pack=True)[0]
+    assert [mb.tolist() for mb in packed] == [[0, 1], [2, 3], [4, 5]]
+    assert all(len(mb) * int(completions[mb].max()) <= 2 * 500 for mb in packed)
 
 
 def test_grouping_cuts_padding_of_spread_lengths():
     """Lengths spread evenly: rollout order computes ~2x the real tokens at 8 rows per micro-batch, grouped ~1.1x."""
     lengths = torch.randperm(1024, generator=torch.Generator().manual_seed(0))[:256] + 1
     real = int(lengths.sum())
-    plain = [mb for step in plan(lengths, 8, 8, False) for mb in step]
-    grouped = [mb for step in plan(lengths, 8, 8, True) for mb in step]
-    packed = [mb for step in plan(lengths, 8, 8, True, pack=True) for mb in step]
+    plain = [mb for step in plan(lengths, lengths, 8, 8, False) for mb in step]
+    grouped = [mb for step in plan(lengths, lengths, 8, 8, True) for mb in step]
+    packed = [mb for step in plan(lengths, lengths, 8, 8, True, pack=True) for mb in step]
     assert padded_positions(lengths, plain) / real > 1.6 and padded_positions(lengths, grouped) / real < 1.15
     assert len(packed) < 0.7 * len(grouped)  # fewer, fuller micro-batches ...
     assert padded_positions(lengths, packed) < 1.1 * padded_positions(lengths, grouped)  # ... each a little wider

@@ -35,17 +35,17 @@ def test_config_checks():
         with pytest.raises(ValueError, match="train_graph_length_multiple.*'auto' or an int"):
             GRPOConfig(train_graph_length_multiple=bad)
     assert GRPOConfig().train_graph_length_multiple == "auto"
+    assert GRPOConfig(train_cuda_graphs=True).train_cuda_graphs == "on"  # YAML's reading of an override's "on"
+    assert GRPOConfig(train_cuda_graphs=False).train_cuda_graphs == "off"
 
 
 def test_auto_length_multiple_bounds_the_shapes():
-    """'auto' keeps 128 up to 1024 tokens, then grows in steps of 128 so that every length up to the longest
-    sequence pads to one of at most 8 lengths (grouped micro-batches span them all)."""
-    assert [auto_length_multiple(n) for n in (1, 512, 1024, 1025, 4608)] == [128, 128, 128, 256, 640]
+    """'auto' keeps 128 up to 768 tokens, then grows in steps of 128 so that every length up to the longest
+    sequence pads to one of at most 6 lengths (grouped micro-batches span them all)."""
+    assert [auto_length_multiple(n) for n in (1, 512, 768, 769, 1152, 4224)] == [128, 128, 128, 256, 256, 768]
     for n in range(1, 20000, 37):
         multiple = auto_length_multiple(n)
         assert multiple % 128 == 0 and -(-n // multiple) <= AUTO_MAX_LENGTHS
-    assert GRPOConfig(train_cuda_graphs=True).train_cuda_graphs == "on"  # YAML's reading of an override's "on"
-    assert GRPOConfig(train_cuda_graphs=False).train_cuda_graphs == "off"
 
 
 def test_the_command_line_takes_on_and_off():

@@ -89,7 +89,7 @@ class GRPOConfig:
                                                 "to a multiple of this (fewer shapes to capture against more "
                                                 "padding); 'auto': 128, or coarser where the longest sequence "
                                                 "(max_prompt_length + max_completion_length) would otherwise need "
-                                                "more than 8 lengths, so the captured shapes stay within the "
+                                                "more than 6 lengths, so the captured shapes stay within the "
                                                 "graphs' cache when micro-batches are grouped by length")
 
     def __post_init__(self) -> None:

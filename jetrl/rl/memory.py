@@ -6,8 +6,9 @@ settings holds the memory. Each phase of a step has one dominant consumer:
     rollout       the engine's KV cache: generation_batch_size rows x (max_prompt_length +
                   max_completion_length) positions x layers x 2 (K, V) x kv_heads x head_dim
                   x bytes (2 in BF16; ~1 with an FP8 cache: recipe jet_kv)
-    old_logprobs  one micro-batch's forward: per_device_train_batch_size sequences, their
-                  activations and their (tokens, vocab) logits
+    old_logprobs  one micro-batch's forward: per_device_train_batch_size sequences (or more shorter
+                  ones in as many positions: micro_batches.py), their activations and their
+                  (tokens, vocab) logits
     update        the same micro-batch forward + backward (activations kept for the backward),
                   next to the parameters, gradients and AdamW's two moments (4x the weights)
 
@@ -65,7 +66,8 @@ def advice(phase: str, args: GRPOConfig, stacked_bytes: int = 0, train_graphs: b
                 "recipe jet_kv (an FP8 cache, about half the bytes)")
     else:
         text = (f"each micro-batch holds per_device_train_batch_size={args.per_device_train_batch_size} sequences of "
-                f"up to {context} tokens (activations and their vocabulary-wide logits): lower "
+                f"up to {context} tokens, or more shorter ones in as many positions and logit rows (activations and "
+                "their vocabulary-wide logits; jetrl/rl/micro_batches.py): lower "
                 "grpo.per_device_train_batch_size and raise grpo.gradient_accumulation_steps by the same factor (the "
                 "batch per update stays the same)")
     if stacked_bytes:

@@ -18,13 +18,13 @@ The rule (:func:`plan`, ``grpo.group_by_length``, on by default):
                       so every optimizer step sees the same rows (the same prompts' groups): grouping never moves a
                       row into another step, which would change what each step learns;
     micro-batches     within one optimizer step, its rows sorted by length (prompt + completion; longest first,
-                      ties in rollout order). Longest first: a step that does not fit in memory fails on its first
-                      micro-batch, which is the one that holds the step's longest row with ``size - 1`` others at
-                      that length, as some micro-batch in rollout order does.
+                      ties in rollout order), cut into runs of ``size``: the longest rows run first.
     packing           (``pack``: the trainer's layers run eagerly) the sorted rows are cut into the fewest
-                      micro-batches that each fit in ``size`` x the step's longest row positions -- and, of those
-                      cuts, the one with the fewest positions: a micro-batch of short rows holds more of them
-                      (verl's ``use_dynamic_bsz``, with the budget the step's own longest micro-batch sets).
+                      micro-batches that each fit in ``size`` x the step's longest row positions (activations) and
+                      ``size`` x its longest completion logits (the LM head's, vocabulary-wide) -- the most a
+                      micro-batch of ``size`` rows in rollout order may hold, so packing never needs more memory
+                      -- and, of those cuts, the one with the fewest positions: a micro-batch of short rows holds
+                      more of them (verl's ``use_dynamic_bsz``, with budgets the step itself sets).
                       Why: an eager FP8 layer costs the host ~1 ms per forward+backward whatever its rows
                       (docs/benchmarks.md (b)), so fewer micro-batches cost the host less; each is a little wider,
                       so the GPU computes a few more positions. On the H200 at 8B (run GO, 64 rows of 128 + 64-1024
@@ -40,9 +40,11 @@ so grouping changes only the order of the sum -- and, in the FP8 wgrad, which to
 tokens (padding positions join those groups either way). ``bnpo`` divides each micro-batch's loss by its own
 token count, so which rows share a micro-batch is part of its loss: under ``bnpo`` the update keeps rollout order.
 
-The old-logprob pass (and the reference model's) has no gradient and each row's logprobs are its own: it sorts all
-the batch's rows at once (:func:`forward_order`) and puts the results back in rollout order. With the emulated FP8
-GEMMs (CPU) a row's logprobs do not depend on the rows beside it, so there they are bit-identical either way.
+The old-logprob pass (and the reference model's) runs the update's own micro-batches, one optimizer step's after
+another, and puts the results back in rollout order: the first pass of the update then repeats its forwards exactly,
+so its ratios start at 1 wherever the kernels are deterministic. With the emulated FP8 GEMMs (CPU) a row's logprobs
+do not depend on the rows beside it, so there they are bit-identical to rollout order's (a test); on the H200 they
+were too in runs GO and GP.
 
 Data parallel: each rank groups its own rows. A two-rank run then sums its gradient in another order than one
 process over the same rows, so runs are bit-identical across rank counts only with ``group_by_length=false``.
@@ -59,44 +61,43 @@ def length_order(lengths: Tensor) -> Tensor:
     return torch.sort(lengths, descending=True, stable=True).indices
 
 
-def plan(lengths: Tensor, size: int, accum: int, group_by_length: bool, pack: bool = False) -> list[list[Tensor]]:
-    """The update's optimizer steps over rows with these ``lengths``: per step, its micro-batches as index tensors
-    (module docstring): ``size`` rows each (the last may be short), or packed up to the positions of the first."""
+def plan(lengths: Tensor, completion_lengths: Tensor, size: int, accum: int, group_by_length: bool,
+         pack: bool = False) -> list[list[Tensor]]:
+    """The update's optimizer steps over rows with these ``lengths`` (prompt + completion) and
+    ``completion_lengths``: per step, its micro-batches as index tensors (module docstring): ``size`` rows each (the
+    last may be short), or packed within the positions and the logits of the step's longest micro-batch."""
     steps = []
     for start in range(0, len(lengths), size * accum):
         rows = torch.arange(start, min(start + size * accum, len(lengths)))
         if group_by_length:
             rows = rows[length_order(lengths[rows])]
-        steps.append(_packed(rows, lengths, size) if group_by_length and pack else list(rows.split(size)))
+        steps.append(_packed(rows, lengths, completion_lengths, size) if group_by_length and pack
+                     else list(rows.split(size)))
     return steps
 
 
-def forward_order(lengths: Tensor, size: int, group_by_length: bool, pack: bool = False) -> list[Tensor]:
-    """Micro-batches for a no-grad pass over every row (module docstring): all rows sorted at once."""
-    if not group_by_length:
-        return list(torch.arange(len(lengths)).split(size))
-    rows = length_order(lengths)
-    return _packed(rows, lengths, size) if pack else list(rows.split(size))
-
-
-def _packed(rows: Tensor, lengths: Tensor, size: int) -> list[Tensor]:
-    """``rows`` (longest first) cut into the fewest micro-batches of at most ``size`` x the longest row's positions
-    each and, of those cuts, the one that computes the fewest positions.
+def _packed(rows: Tensor, lengths: Tensor, completion_lengths: Tensor, size: int) -> list[Tensor]:
+    """``rows`` (longest first) cut into the fewest micro-batches that each fit in ``size`` x the longest row's
+    positions and in ``size`` x the longest completion's logits -- what some micro-batch of ``size`` rows in rollout
+    order may hold -- and, of those cuts, the one that computes the fewest positions.
 
     Dynamic programming over the sorted rows: ``best[i]`` is the best cut of ``rows[:i]`` as (micro-batches,
-    positions, where its last micro-batch starts); the last micro-batch ``rows[j:i]`` costs (i - j) x length[j], which
-    grows as j falls, so the search for each i stops at the first j over the budget. O(rows x rows per micro-batch).
+    positions, where its last micro-batch starts); the last micro-batch ``rows[j:i]`` holds (i - j) x length[j]
+    positions and (i - j) x its longest completion logits, both growing as j falls, so the search for each i stops
+    at the first j over a budget (j = i - 1, one row, never is). O(rows x rows per micro-batch).
     """
-    by_row = lengths[rows].tolist()
-    budget, best = size * by_row[0], [(0, 0, 0)]
+    by_row, completions = lengths[rows].tolist(), completion_lengths[rows].tolist()
+    budget, logits_budget = size * by_row[0], size * max(completions)
+    best: list[tuple[int, int, int]] = [(0, 0, 0)]
     for i in range(1, len(by_row) + 1):
-        choice = (i, i * by_row[0], 0)  # a bound every real choice beats or equals
+        choice, longest_completion = None, 0
         for j in range(i - 1, -1, -1):
-            cost = (i - j) * by_row[j]
-            if cost > budget:
+            longest_completion = max(longest_completion, completions[j])
+            if (i - j) * by_row[j] > budget or (i - j) * longest_completion > logits_budget:
                 break
             count, positions, _ = best[j]
-            choice = min(choice, (count + 1, positions + cost, j))
+            candidate = (count + 1, positions + (i - j) * by_row[j], j)
+            choice = candidate if choice is None else min(choice, candidate)
         best.append(choice)
     cuts, end = [], len(by_row)
     while end:

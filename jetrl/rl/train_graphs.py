@@ -73,15 +73,17 @@ from jetrl.models.stacked_projections import refresh_stacked_projections
 
 DEFAULT_LENGTH_MULTIPLE = 128
 DEFAULT_MAX_GRAPHS = 16  # captured shapes kept (module docstring: memory)
-AUTO_MAX_LENGTHS = DEFAULT_MAX_GRAPHS // 2  # auto_length_multiple
+AUTO_MAX_LENGTHS = 6  # auto_length_multiple: 6 lengths x (training, no-grad) shapes leave 4 of DEFAULT_MAX_GRAPHS
 
 
 def auto_length_multiple(max_length: int) -> int:
     """The length multiple that pads sequences of up to ``max_length`` tokens to at most ``AUTO_MAX_LENGTHS`` lengths
     (a multiple of 128, at least 128). Why: micro-batches grouped by length (jetrl/rl/micro_batches.py) span every
-    length from the shortest to the longest, each a shape to capture; past ``max_graphs`` shapes the least recently
-    used is dropped and captured again at its next use, so every micro-batch would pay a capture. Half the cache is
-    left for the other row count (a short last micro-batch) and the no-grad old-logprob pass's shapes."""
+    length from the shortest to the longest, each a shape to capture, once for the update (training) and once for a
+    recomputed old-logprob pass (no-grad); past ``max_graphs`` shapes the least recently used is dropped and captured
+    again at its next use, and micro-batches cycle through their lengths, so every one would pay a capture. 6
+    lengths take 12 of the 16 shapes kept, leaving 4 for short last micro-batches (dynamic sampling: their row count
+    changes from step to step, so those may still be captured again)."""
     per_length = -(-max_length // AUTO_MAX_LENGTHS)
     return max(DEFAULT_LENGTH_MULTIPLE, -(-per_length // DEFAULT_LENGTH_MULTIPLE) * DEFAULT_LENGTH_MULTIPLE)
 AUTO_MAX_PARAMETERS = 3.5e9  # auto_enabled

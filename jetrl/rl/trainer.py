@@ -57,7 +57,7 @@ from jetrl.rl.correction import rollout_correction_weights
 from jetrl.rl.loss import policy_loss
 from jetrl.rl.memory import oom_advice
 from jetrl.rl.metrics import mismatch_metrics, mismatch_weights
-from jetrl.rl.micro_batches import forward_order, plan
+from jetrl.rl.micro_batches import plan
 from jetrl.rl.replicas import Replicas, with_weight
 from jetrl.rl.rollout import rollout
 from jetrl.rl.train_graphs import TrainingGraphs, auto_enabled, auto_length_multiple, unsupported_reason
@@ -233,23 +233,28 @@ class GRPOTrainer:
 
     def _forward_logprobs(self, model: nn.Module, batch: RolloutBatch,
                           hidden: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        args = self.args
         out = torch.zeros(batch.completion_ids.shape)
-        for rows in forward_order(batch.prompt_lengths + batch.completion_lengths, args.per_device_train_batch_size,
-                                  args.group_by_length, pack=hidden is None):  # graphed: one shape per bucket
-            part = completion_logprobs(model, batch.select(rows), args.temperature, hidden_states=hidden)[0].cpu()
-            out[rows, : part.shape[1]] = part
+        for rows in (rows for step in self._plan(batch, pack=hidden is None) for rows in step):
+            part = completion_logprobs(model, batch.select(rows), self.args.temperature, hidden_states=hidden)[0]
+            out[rows, : part.shape[1]] = part.cpu()
         return out
+
+    def _plan(self, batch: RolloutBatch, pack: bool) -> list[list[torch.Tensor]]:
+        """The update's optimizer steps as micro-batches of row indices (micro_batches.py), packed when the layers run
+        eagerly (``pack``; with CUDA graphs each shape is a capture). The old-logprob pass runs the same micro-batches,
+        so the update's first pass repeats its forwards. ``bnpo`` (a per-micro-batch mean) keeps rollout order."""
+        args = self.args
+        return plan(batch.prompt_lengths + batch.completion_lengths, batch.completion_lengths,
+                    args.per_device_train_batch_size, args.gradient_accumulation_steps,
+                    args.group_by_length and args.loss_type != "bnpo", pack=pack)
 
     def _update(self, batch: RolloutBatch | None, metrics: dict[str, float]) -> None:
         """``num_iterations`` epochs of optimizer steps over the batch. Data parallel, every rank makes as many
         optimizer steps as the rank with the most micro-batches, each rank's losses weighted by the counts over all
         ranks (replicas.py); ``batch`` is None on a rank whose groups dynamic sampling dropped entirely."""
         args = self.args
-        size, accum = args.per_device_train_batch_size, args.gradient_accumulation_steps
         hidden = self.graphed_hidden_states()
-        groups = [] if batch is None else plan(batch.prompt_lengths + batch.completion_lengths, size, accum,
-                                               args.group_by_length and args.loss_type != "bnpo", pack=hidden is None)
+        groups = [] if batch is None else self._plan(batch, pack=hidden is None)
         steps = int(self.replicas.max([len(groups)])[0])
         if steps == 0:  # no rank kept a group
             return
