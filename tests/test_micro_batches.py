@@ -1,9 +1,11 @@
 """Length-grouped micro-batches (jetrl/rl/micro_batches.py, ``grpo.group_by_length``).
 
 The claims under test: grouping keeps every optimizer step's rows and only regroups them within the step, longest
-first, and never computes more padded positions than rollout order; the trainer's old logprobs are bit-identical
-either way on the CPU (a row's logprobs are its own); the update's gradient is the same sum for the losses whose
-weights come from the whole step (dapo, grpo, dr_grpo) and the very same bits under bnpo, which keeps rollout order.
+first, and never computes more padded positions than rollout order; packing makes fewer micro-batches, none over the
+positions or the logit rows that a micro-batch of ``size`` rows may hold (also with ``size`` = 1 and tied lengths);
+the trainer's old logprobs are bit-identical either way on the CPU (a row's logprobs are its own); the update's
+gradient (the CPU trainer packs: its layers run eagerly) is the same sum for the losses whose weights come from the
+whole step (dapo, grpo) and the very same bits under bnpo, which keeps rollout order.
 """
 
 import pytest
@@ -17,9 +19,6 @@ from jetrl.rl.batch import RolloutBatch
 from jetrl.rl.config import GRPOConfig
 from jetrl.rl.micro_batches import padded_positions, plan
 from jetrl.rl.trainer import GRPOTrainer
-
-ROWS = 16
-
 
 LENGTHS = torch.tensor([5, 40, 7, 40, 12, 3, 30, 9, 22, 1, 17, 40, 8, 2, 26])  # 15 rows: a short last step
 COMPLETIONS = LENGTHS - 1  # one prompt token each
@@ -83,6 +82,9 @@ def test_grouping_cuts_padding_of_spread_lengths():
     assert padded_positions(lengths, plain) / real > 1.6 and padded_positions(lengths, grouped) / real < 1.15
     assert len(packed) < 0.7 * len(grouped)  # fewer, fuller micro-batches ...
     assert padded_positions(lengths, packed) < 1.1 * padded_positions(lengths, grouped)  # ... each a little wider
+
+
+ROWS = 16
 
 
 def _batch() -> RolloutBatch:

@@ -77,9 +77,9 @@ class GRPOConfig:
     group_by_length: bool = _f(True, "form each optimizer step's micro-batches from its rows sorted by length, so "
                                "each is trimmed to rows of similar length (less padding computed; the same rows per "
                                "optimizer step); with eager layers (no train_cuda_graphs) a micro-batch of short "
-                               "rows takes more of them, up to the positions of the step's longest micro-batch. "
-                               "Under loss_type=bnpo, whose loss is a per-micro-batch mean, the update keeps "
-                               "rollout order; false makes data-parallel runs bit-identical across rank counts "
+                               "rows takes more of them, up to the positions and logit rows of the step's longest "
+                               "micro-batch. Under loss_type=bnpo, whose loss is a per-micro-batch mean, the update "
+                               "keeps rollout order; false makes data-parallel runs bit-identical across rank counts "
                                "(jetrl/rl/micro_batches.py)")
     train_cuda_graphs: str | bool = _f("auto", "replay the decoder layers' training forward+backward from CUDA graphs, "
                                        "one per micro-batch shape: 'on' (or true), 'off' (or false), or 'auto' (on "

@@ -74,6 +74,7 @@ from jetrl.models.stacked_projections import refresh_stacked_projections
 DEFAULT_LENGTH_MULTIPLE = 128
 DEFAULT_MAX_GRAPHS = 16  # captured shapes kept (module docstring: memory)
 AUTO_MAX_LENGTHS = 6  # auto_length_multiple: 6 lengths x (training, no-grad) shapes leave 4 of DEFAULT_MAX_GRAPHS
+AUTO_MAX_PARAMETERS = 3.5e9  # auto_enabled
 
 
 def auto_length_multiple(max_length: int) -> int:
@@ -86,7 +87,6 @@ def auto_length_multiple(max_length: int) -> int:
     changes from step to step, so those may still be captured again)."""
     per_length = -(-max_length // AUTO_MAX_LENGTHS)
     return max(DEFAULT_LENGTH_MULTIPLE, -(-per_length // DEFAULT_LENGTH_MULTIPLE) * DEFAULT_LENGTH_MULTIPLE)
-AUTO_MAX_PARAMETERS = 3.5e9  # auto_enabled
 
 
 class TrainingGraphs:

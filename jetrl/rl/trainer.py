@@ -234,9 +234,10 @@ class GRPOTrainer:
     def _forward_logprobs(self, model: nn.Module, batch: RolloutBatch,
                           hidden: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         out = torch.zeros(batch.completion_ids.shape)
-        for rows in (rows for step in self._plan(batch, pack=hidden is None) for rows in step):
-            part = completion_logprobs(model, batch.select(rows), self.args.temperature, hidden_states=hidden)[0]
-            out[rows, : part.shape[1]] = part.cpu()
+        for step in self._plan(batch, pack=hidden is None):
+            for rows in step:
+                part = completion_logprobs(model, batch.select(rows), self.args.temperature, hidden_states=hidden)[0]
+                out[rows, : part.shape[1]] = part.cpu()
         return out
 
     def _plan(self, batch: RolloutBatch, pack: bool) -> list[list[torch.Tensor]]:
@@ -250,7 +251,7 @@ class GRPOTrainer:
 
     def _update(self, batch: RolloutBatch | None, metrics: dict[str, float]) -> None:
         """``num_iterations`` epochs of optimizer steps over the batch. Data parallel, every rank makes as many
-        optimizer steps as the rank with the most micro-batches, each rank's losses weighted by the counts over all
+        optimizer steps as the rank with the most rows needs, each rank's losses weighted by the counts over all
         ranks (replicas.py); ``batch`` is None on a rank whose groups dynamic sampling dropped entirely."""
         args = self.args
         hidden = self.graphed_hidden_states()
