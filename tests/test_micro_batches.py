@@ -5,7 +5,8 @@ first, and never computes more padded positions than rollout order; packing make
 positions or the logit rows that a micro-batch of ``size`` rows may hold (also with ``size`` = 1 and tied lengths);
 the trainer's old logprobs are bit-identical either way on the CPU (a row's logprobs are its own); the update's
 gradient (the CPU trainer packs: its layers run eagerly) is the same sum for the losses whose weights come from the
-whole step (dapo, grpo) and the very same bits under bnpo, which keeps rollout order.
+whole step (dapo, grpo) and the very same bits under bnpo, which keeps rollout order; the logged loss statistics
+are token means, which the grouping does not move.
 """
 
 import pytest
@@ -109,23 +110,26 @@ def _trainer(group_by_length: bool, loss_type: str, recipe: str) -> GRPOTrainer:
                        recipe=recipe)
 
 
-def _old_logprobs_and_grads(group_by_length: bool, loss_type: str,
-                            recipe: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The old logprobs (on completion tokens) and each optimizer step's gradient, flattened."""
+def _update(group_by_length: bool, loss_type: str, recipe: str) -> tuple[torch.Tensor, list[torch.Tensor], dict]:
+    """The old logprobs (on completion tokens), each optimizer step's gradient (flattened) and the logged metrics."""
     trainer, batch = _trainer(group_by_length, loss_type, recipe), _batch()
     grads: list[torch.Tensor] = []
     trainer.optimizer.register_step_pre_hook(
         lambda opt, *_: grads.append(torch.cat([p.grad.detach().flatten() for p in trainer.model.parameters()])))
     trainer._old_logprobs(batch, {})
-    trainer._update(batch, {})
-    return batch.old_logprobs * batch.token_mask(), grads  # past a row's completion: its micro-batch's padding
+    old = batch.old_logprobs * batch.token_mask()  # past a row's completion: its micro-batch's padding
+    noise = torch.randn(batch.old_logprobs.shape, generator=torch.Generator().manual_seed(5))
+    batch.old_logprobs = batch.old_logprobs + 0.3 * noise  # ratios away from 1: clip statistics that vary by token
+    metrics: dict[str, float] = {}
+    trainer._update(batch, metrics)
+    return old, grads, metrics
 
 
 @pytest.mark.parametrize(("loss_type", "recipe"), [("dapo", "bf16"), ("grpo", "bf16"), ("bnpo", "bf16"),
                                                    ("dapo", "jet")])
 def test_grouped_update_is_the_same_step(loss_type, recipe):
-    old_plain, grads_plain = _old_logprobs_and_grads(False, loss_type, recipe)
-    old_grouped, grads_grouped = _old_logprobs_and_grads(True, loss_type, recipe)
+    old_plain, grads_plain, plain = _update(False, loss_type, recipe)
+    old_grouped, grads_grouped, grouped = _update(True, loss_type, recipe)
     assert torch.equal(old_plain, old_grouped)  # a row's logprobs do not depend on its neighbours (CPU)
     assert len(grads_plain) == len(grads_grouped) == 2
     for a, b in zip(grads_plain, grads_grouped, strict=True):
@@ -137,3 +141,5 @@ def test_grouped_update_is_the_same_step(loss_type, recipe):
             assert error < 1e-5
         else:  # FP8 wgrad: each 1x128 group along tokens now holds other tokens (and less padding); 2% measured
             assert error < 5e-2
+    for key in ("ratio_mean", "clip_ratio/region_mean", "entropy"):  # token means: the grouping does not show
+        assert plain[key] == pytest.approx(grouped[key], rel=1e-5, abs=1e-7), key

@@ -272,7 +272,7 @@ class GRPOTrainer:
             metrics.update(with_weight(corr_stats, float(batch.completion_mask.sum())))
         stats_sum: dict[str, float] = {}
         first_pass: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # for reused-logprob mismatch
-        entropy_sum = entropy_count = 0.0
+        entropy_sum = token_count = 0.0  # the loss statistics are token means over every micro-batch of the update
         grad_norms: list[float] = []
         micro = 0
         for iteration in range(args.num_iterations):
@@ -294,18 +294,19 @@ class GRPOTrainer:
                     loss.backward()
                     loss_sum = loss_sum.to(loss.device) + loss.detach()
                     micro += 1
+                    tokens_here = float(mask.sum())  # each statistic is this micro-batch's token mean
                     for k, v in stats.items():
-                        stats_sum[k] = stats_sum.get(k, 0.0) + v
+                        stats_sum[k] = stats_sum.get(k, 0.0) + v * tokens_here
                     entropy_sum += float((entropy * mask).sum())
-                    entropy_count += float(mask.sum())
+                    token_count += tokens_here
                     if iteration == 0 and g == 0:  # before this step's first optimizer update
                         first_pass.append((lp.detach().cpu(), sub.rollout_logprobs, sub.token_mask()))
                 if g >= len(groups) and self.train_graphs is not None:
                     self.train_graphs.bind_grads()  # the zeros this rank adds: the graphs' own gradient tensors
                 grad_norms.append(self._optimizer_step(loss_sum))
-        if micro:
-            metrics.update(with_weight({k: v / micro for k, v in stats_sum.items()}, micro))  # micro-batch means
-            metrics.update(with_weight({"entropy": entropy_sum / max(entropy_count, 1.0)}, entropy_count))
+        if micro:  # token means, whichever rows share a micro-batch (micro_batches.py) and on however many ranks
+            means = {k: v / max(token_count, 1.0) for k, v in stats_sum.items()}
+            metrics.update(with_weight({**means, "entropy": entropy_sum / max(token_count, 1.0)}, token_count))
         finite = [g for g in grad_norms if math.isfinite(g)]
         metrics["grad_norm"] = sum(finite) / len(finite) if finite else float("nan")
         if self.old_logprobs_source == "rollout" and first_pass:
