@@ -10,8 +10,9 @@ capture), ``STEPS`` steps are timed on every rank; a step's time is the slowest 
 weights are equal after the steps (``check_in_sync``), every completion is full length, every update applied.
 Rank 0 prints one JSON line per recipe and writes them to ``$OUT/data_parallel_<world>.json``.
 Env: RECIPES (default ``bf16,jet``), PROMPTS (8), GENERATIONS (8), PROMPT (128), COMPLETION (1024), LAYERS (36),
-MICRO (8), STEPS (2), SHARD=1 (``grpo.shard_optimizer_state``: ZeRO-1); SMOKE=1 takes the bench's smoke shapes (a CPU check of this script: SMOKE=1 COMPLETION=8
-PROMPT=8 LAYERS=2 MICRO=4 torchrun --nproc_per_node 2 bench/probe_data_parallel.py).
+MICRO (8), STEPS (2), SHARD=1 (``grpo.shard_optimizer_state``: ZeRO-1); SMOKE=1 takes the bench's smoke shapes
+(a CPU check of this script: SMOKE=1 COMPLETION=8 PROMPT=8 LAYERS=2 MICRO=4 torchrun --nproc_per_node 2
+bench/probe_data_parallel.py).
 """
 
 from __future__ import annotations

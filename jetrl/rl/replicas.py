@@ -208,8 +208,8 @@ class Replicas:
     # ------------------------------------------------------------------ metrics
     def merge_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """One metrics dict for the step from every rank's: a maximum (``*max*``) and a time (``time/*``, the
-        slowest rank) over ranks; a mean that comes with its weight (``key + WEIGHT``: its tokens, sequences or
-        micro-batches) the weighted mean, so it equals one process's over the same data (up to rounding); anything
+        slowest rank) over ranks; a mean that comes with its weight (``key + WEIGHT``: its tokens or sequences)
+        the weighted mean, so it equals one process's over the same data (up to rounding); anything
         else -- completion-level means, every rank sampling as many completions -- the plain mean. Weights are not
         logged."""
         if not self.distributed:
