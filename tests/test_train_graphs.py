@@ -19,7 +19,13 @@ from jetrl.fp8.convert import float8_modules
 from jetrl.fp8.refresh_graph import WeightRefresh
 from jetrl.models import CausalLM, ModelConfig
 from jetrl.rl import GRPOConfig
-from jetrl.rl.train_graphs import AUTO_MAX_LENGTHS, TrainingGraphs, auto_length_multiple, unsupported_reason
+from jetrl.rl.train_graphs import (
+    AUTO_MAX_LENGTHS,
+    TrainingGraphs,
+    auto_length_multiple,
+    auto_row_multiple,
+    unsupported_reason,
+)
 
 from .conftest import requires_sm90
 
@@ -31,10 +37,11 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs nee
 def test_config_checks():
     with pytest.raises(ValueError, match="train_cuda_graphs"):
         GRPOConfig(train_cuda_graphs="yes")
-    for bad in (0, "x"):
-        with pytest.raises(ValueError, match="train_graph_length_multiple.*'auto' or an int"):
-            GRPOConfig(train_graph_length_multiple=bad)
-    assert GRPOConfig().train_graph_length_multiple == "auto"
+    for name in ("train_graph_length_multiple", "train_graph_row_multiple"):
+        for bad in (0, "x", True):
+            with pytest.raises(ValueError, match=f"{name}.*'auto' or an int"):
+                GRPOConfig(**{name: bad})
+        assert getattr(GRPOConfig(), name) == "auto"
     assert GRPOConfig(train_cuda_graphs=True).train_cuda_graphs == "on"  # YAML's reading of an override's "on"
     assert GRPOConfig(train_cuda_graphs=False).train_cuda_graphs == "off"
 
@@ -46,6 +53,17 @@ def test_auto_length_multiple_bounds_the_shapes():
     for n in range(1, 20000, 37):
         multiple = auto_length_multiple(n)
         assert multiple % 128 == 0 and -(-n // multiple) <= AUTO_MAX_LENGTHS
+
+
+def test_auto_row_multiple_pads_only_where_short_row_counts_vary():
+    """Dynamic sampling keeps whole groups of G rows, so a short micro-batch holds G*k mod size rows: padding to full
+    micro-batches ('auto' = size) only where that leaves two or more different counts."""
+    assert auto_row_multiple(16, 4, True) == 16  # 4, 8 or 12 rows
+    assert auto_row_multiple(32, 8, True) == 32  # 8, 16 or 24
+    assert auto_row_multiple(16, 6, True) == 16  # 2, 4, ..., 14
+    assert auto_row_multiple(16, 8, True) == 1  # always 8: one shape more per length, which the cache keeps
+    assert auto_row_multiple(8, 8, True) == auto_row_multiple(8, 16, True) == 1  # never short
+    assert auto_row_multiple(16, 4, False) == 1  # without dynamic sampling every step trains as many rows
 
 
 def test_the_command_line_takes_on_and_off():
@@ -229,6 +247,35 @@ def test_replay_is_bit_identical_to_eager_at_the_padded_shape(recipe):
 
 
 @cuda
+@pytest.mark.parametrize("recipe", ["bf16", "jet"])
+def test_short_micro_batches_replay_the_full_rows_shape(recipe):
+    """With ``row_multiple`` (the trainer's micro-batch size) a micro-batch of fewer rows is padded below with rows of
+    token 0 and replays the full micro-batch's graph at its length: no capture of its own. Its hidden states and
+    every gradient equal the eager model's on the padded input, whose padding rows the loss never reads."""
+    eager, graphed = _models(recipe)
+    graphs = TrainingGraphs(graphed, length_multiple=64, row_multiple=4)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for rows, length in [(4, 50), (3, 60), (1, 33), (2, 64)]:  # one length bucket, one row bucket
+        ids = torch.randint(0, CFG.vocab_size, (rows, length), device="cuda", generator=gen)
+        weights = torch.randn(rows, length, CFG.hidden_size, device="cuda", generator=gen)
+        padded = torch.nn.functional.pad(ids, (0, 64 - length, 0, 4 - rows))
+        h_eager = _micro_batch(eager, padded, lambda t, r=rows, n=length: eager.hidden_states(t)[:r, :n], weights)
+        h_graph = _micro_batch(graphed, ids, graphs.hidden_states, weights)
+        assert h_graph.shape == (rows, length, CFG.hidden_size) and torch.equal(h_eager, h_graph), (recipe, rows)
+    for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
+        if name != "lm_head.weight":
+            assert torch.equal(p.grad, q.grad), (recipe, name)
+    with torch.no_grad():
+        ids = torch.randint(0, CFG.vocab_size, (3, 40), device="cuda", generator=gen)
+        padded = torch.nn.functional.pad(ids, (0, 24, 0, 1))
+        assert torch.equal(graphs.hidden_states(ids), eager.hidden_states(padded)[:3, :40])
+        graphs.hidden_states(ids[:1])
+    assert graphs.num_captures == 2 and [key[:3] for key in graphs._graphs] == [(4, 64, True), (4, 64, False)]
+    with pytest.raises(ValueError, match="row_multiple=0 must be an int >= 1"):
+        TrainingGraphs(graphed, row_multiple=0)
+
+
+@cuda
 def test_the_refresh_graph_writes_the_eager_bits_checks_and_steps_aside():
     """WeightRefresh (jetrl/fp8/refresh_graph.py): captured at the first full refresh, replayed at the next, every
     buffer the graphs read -- W, W^T, the stacked W_s^T -- holds the eager quantization's bits, and the graphs skip
@@ -372,16 +419,20 @@ def test_trainer_with_graphs_equals_the_eager_trainer(recipe):
 
     records = random_records(4, 6, CFG.vocab_size, seed=3)
 
-    def run(choice, steps, multiple=128):
+    def trainer_for(choice, steps, multiple=128, **extra):
         torch.manual_seed(0)
         model = CausalLM(CFG).to("cuda", torch.bfloat16)
-        start = {n: p.detach().clone() for n, p in model.named_parameters()}
-        args = GRPOConfig(max_steps=steps, num_generations=2, generation_batch_size=8, per_device_train_batch_size=2,
-                          gradient_accumulation_steps=2, max_prompt_length=6, max_completion_length=12,
-                          old_logprobs="recompute", train_cuda_graphs=choice, train_graph_length_multiple=multiple,
-                          learning_rate=1e-3)
-        trainer = GRPOTrainer(model, [parity_reward], args, records, tokenizer=IdTokenizer(), recipe=recipe,
-                              accuracy_func=None)
+        args = GRPOConfig(**{"max_steps": steps, "num_generations": 2, "generation_batch_size": 8,
+                             "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+                             "max_prompt_length": 6, "max_completion_length": 12, "old_logprobs": "recompute",
+                             "train_cuda_graphs": choice, "train_graph_length_multiple": multiple,
+                             "learning_rate": 1e-3, **extra})
+        return GRPOTrainer(model, [parity_reward], args, records, tokenizer=IdTokenizer(), recipe=recipe,
+                           accuracy_func=None)
+
+    def run(choice, steps, multiple=128):
+        trainer = trainer_for(choice, steps, multiple)
+        start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         history = trainer.train()
         assert all(torch.isfinite(torch.tensor(m["grad_norm"])) for m in history)
         return trainer, start, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -389,7 +440,7 @@ def test_trainer_with_graphs_equals_the_eager_trainer(recipe):
     eager, _, w_eager = run("off", steps=2)
     assert eager.train_graphs is None
     exact, _, w_exact = run("on", steps=2, multiple=1)
-    assert exact.train_graphs.num_replays > 0
+    assert exact.train_graphs.num_replays > 0 and exact.train_graphs.row_multiple == 1  # 'auto', no dynamic sampling
     assert exact.weight_refresh.num_replays == (3 if recipe == "jet" else 0)  # 4 optimizer steps, 1 capture
     for name, w in w_eager.items():
         assert torch.equal(w, w_exact[name]), name
@@ -399,6 +450,10 @@ def test_trainer_with_graphs_equals_the_eager_trainer(recipe):
     update = sum(float((w_one[n].float() - w.float()).norm()) for n, w in start.items())
     apart = sum(float((w_padded[n].float() - w_one[n].float()).norm()) for n in start)
     assert 0 < update and apart < 0.5 * update, (apart, update)
+    # 'auto' row padding: G = 2 in micro-batches of 8 leaves 3 short row counts under dynamic sampling
+    assert trainer_for("on", 1, per_device_train_batch_size=8, gradient_accumulation_steps=1,
+                       dynamic_sampling=True).train_graphs.row_multiple == 8
+    assert trainer_for("on", 1, train_graph_row_multiple=3).train_graphs.row_multiple == 3
 
 
 @requires_sm90  # exact mode's kernels

@@ -10,10 +10,14 @@ What is graphed: ``DecoderModel.run_layers`` -- every decoder layer and the fina
 tokens x (B, L, H) to the normed hidden states. The embedding, the LM head, the logprobs and the loss stay
 eager (a handful of ops, and the LM head's (tokens, vocab) logits are sized by the completion, not by L).
 Under autograd (the update) a forward graph and a backward graph per micro-batch shape; without it (the
-old-logprob pass) a forward graph alone. A shape is (rows, length rounded up to ``length_multiple``, training or
-not, the precision phase, exact mode or not): the input is padded on the right with token 0, which changes no real
-token's hidden state (causal attention; padding only follows), and the padded positions get no gradient (the loss
-never gathers them).
+old-logprob pass) a forward graph alone. A shape is (rows rounded up to ``row_multiple``, length rounded up to
+``length_multiple``, training or not, the precision phase, exact mode or not): the input is padded on the right
+with token 0, which changes no real token's hidden state (causal attention; padding only follows), and below with
+rows of token 0, which share nothing with the real rows (attention stays within a row); the padded positions and
+rows get no gradient (the loss never gathers them). With ``row_multiple`` = ``per_device_train_batch_size`` a short
+micro-batch -- the last of an optimizer step, whose row count dynamic sampling changes from step to step -- replays
+the full micro-batch's graph at its length instead of a capture of its own (:func:`auto_row_multiple` says when
+the trainer does that).
 
     forward   copy x into the graph's input; replay; the output is the graph's static (B, L', H) buffer
     backward  copy dh into the graph's static gradient; replay: dx for the embedding's backward, and every
@@ -52,12 +56,14 @@ the new one is captured (a failed capture drops nothing), and with it the weight
 Numerics: a replay runs exactly the kernels an eager call at the padded shape runs, so results are
 bit-identical to the eager model at that shape (tests/test_train_graphs.py). That holds for exact mode's
 batch-invariant kernels too (jetrl/exact.py): the rollout's logprobs still equal the graphed trainer's at every
-token (a GPU test). Against the eager model at the unpadded length, the FP8 wgrad's 1x128 groups along tokens take
-in the padding rows' activations, as they already take in the padding of a micro-batch's shorter sequences.
+token (a GPU test). Against the eager model at the unpadded shape, the FP8 wgrad's 1x128 groups along tokens take
+in the padding positions' activations (of padded lengths and padded rows alike), as they already take in the
+padding of a micro-batch's shorter sequences.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 import torch
@@ -83,10 +89,30 @@ def auto_length_multiple(max_length: int) -> int:
     length from the shortest to the longest, each a shape to capture, once for the update (training) and once for a
     recomputed old-logprob pass (no-grad); past ``max_graphs`` shapes the least recently used is dropped and captured
     again at its next use, and micro-batches cycle through their lengths, so every one would pay a capture. 6
-    lengths take 12 of the 16 shapes kept, leaving 4 for short last micro-batches (dynamic sampling: their row count
-    changes from step to step, so those may still be captured again)."""
+    lengths take 12 of the 16 shapes kept (a short last micro-batch replays its length's full-rows shape:
+    ``row_multiple``), leaving 4 spare."""
     per_length = -(-max_length // AUTO_MAX_LENGTHS)
     return max(DEFAULT_LENGTH_MULTIPLE, -(-per_length // DEFAULT_LENGTH_MULTIPLE) * DEFAULT_LENGTH_MULTIPLE)
+
+
+def auto_row_multiple(size: int, num_generations: int, dynamic_sampling: bool) -> int:
+    """``grpo.train_graph_row_multiple='auto'``: ``size`` (``per_device_train_batch_size``: short micro-batches padded
+    to full ones) where dynamic sampling can leave two or more different short row counts, otherwise 1.
+
+    Why: a short micro-batch at its own row count is a shape of its own, captured for the update and again for the
+    no-grad old-logprob pass, and held among the graphs' 16. Dynamic sampling keeps whole groups of
+    ``num_generations`` rows, so a rank's rows are a multiple of G and its short micro-batch holds G*k mod ``size``
+    rows: one of ``size / gcd(G, size) - 1`` counts, at each length. Measured on the H200 at Qwen3-1.7B's shapes
+    (runs GS, GT; bench/probe_graph_rows.py: 6 steps of 24-64 rows, 128 + 64-1024 tokens, then 6 more with the
+    graphs held). One count (G = 8, micro-batches of 16) adds a few shapes that the cache keeps: padding saved the
+    first steps 4 of 12 captures (1.12-1.15x over them, GT), then computed its padding rows at every step for
+    nothing, 2-6% slower in steady state. Three counts (G = 4) add more shapes than the cache holds, so a long run
+    keeps capturing some (2 captures in 6 steps): padding avoided them, 1.01-1.10x in steady state and 1.20-1.22x
+    over the first steps (14 captures down to 8). Without dynamic sampling every step trains the same number of
+    rows: at most one short count."""
+    if not dynamic_sampling:
+        return 1
+    return size if size // math.gcd(num_generations, size) - 1 >= 2 else 1
 
 
 class TrainingGraphs:
@@ -95,15 +121,17 @@ class TrainingGraphs:
     forward alone without it (an old-logprob pass)."""
 
     def __init__(self, model: nn.Module, length_multiple: int = DEFAULT_LENGTH_MULTIPLE, num_warmup: int = 2,
-                 max_graphs: int = DEFAULT_MAX_GRAPHS) -> None:
+                 max_graphs: int = DEFAULT_MAX_GRAPHS, row_multiple: int = 1) -> None:
         problem = unsupported_reason(model)
         if problem:
             raise ValueError(f"CUDA graphs for training: {problem}")
-        for name, value in (("length_multiple", length_multiple), ("max_graphs", max_graphs)):
+        for name, value in (("length_multiple", length_multiple), ("max_graphs", max_graphs),
+                            ("row_multiple", row_multiple)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
         self.model, self.decoder = model, model.model
         self.length_multiple, self.num_warmup, self.max_graphs = length_multiple, num_warmup, max_graphs
+        self.row_multiple = row_multiple
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()  # least recently used first
         self._pool = None
         self._reads: dict = {}  # every FP8 weight buffer the held graphs read (recorded_weight_reads)
@@ -120,25 +148,28 @@ class TrainingGraphs:
     def padded_length(self, length: int) -> int:
         return -(-length // self.length_multiple) * self.length_multiple
 
+    def padded_rows(self, rows: int) -> int:
+        return -(-rows // self.row_multiple) * self.row_multiple
+
     def hidden_states(self, input_ids: Tensor) -> Tensor:
         """Final normed hidden states (B, L, H) of right-padded ``input_ids`` (B, L), as ``model.hidden_states``:
         valid until the next call (they live in the graph's static buffer)."""
         rows, length = input_ids.shape
-        padded = self.padded_length(length)
-        if padded != length:
-            input_ids = nn.functional.pad(input_ids, (0, padded - length))
+        padded, padded_rows = self.padded_length(length), self.padded_rows(rows)
+        if (padded_rows, padded) != (rows, length):
+            input_ids = nn.functional.pad(input_ids, (0, padded - length, 0, padded_rows - rows))
         x = self.decoder.embed_tokens(input_ids)
         self._prepare()
         train = torch.is_grad_enabled()
-        key = (rows, padded, train, current_phase(), exact_active(x.device))
+        key = (padded_rows, padded, train, current_phase(), exact_active(x.device))
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._capture(x, key)
         self._graphs.move_to_end(key)
         if train:
-            return _Replay.apply(x, self._anchor, graph, self)[:, :length]
+            return _Replay.apply(x, self._anchor, graph, self)[:rows, :length]
         self._replay_forward(graph, x)
-        return graph.out[:, :length]
+        return graph.out[:rows, :length]
 
     def _replay_forward(self, graph: _Graph, x: Tensor) -> None:
         with torch.no_grad():

@@ -1,0 +1,132 @@
+"""CUDA-graphed training under dynamic sampling: a short micro-batch captured at its own row count, or padded to
+the full micro-batch's rows (``TrainingGraphs(row_multiple=...)``; the trainer passes ``per_device_train_batch_size``).
+
+DAPO's dynamic sampling drops the groups whose rewards all agree, so each RL step trains a different number of rows
+and its last micro-batch is short by a different amount. With CUDA-graphed layers (jetrl/rl/train_graphs.py) every
+new (rows, length) shape is a capture -- two eager warm-ups and a recorded pass, once for the update and once for
+the old-logprob pass -- and past 16 shapes the least recently used one is dropped and captured again later. Padding
+the short micro-batch's rows up to the full one's replays a graph the step already needs, at the cost of computing
+the padding rows.
+
+This runs the trainer's own old-logprob pass and update (jetrl/bench/training.py's ``_time_phase``) over ``STEPS``
+batches whose row counts cycle through ``ROW_COUNTS`` (multiples of the group size, as dynamic sampling leaves them),
+with a ``PROMPT``-token prompt and completions of random lengths in [``MIN``, ``MAX``], under ``bf16`` and ``jet``
+(one process, Qwen3-1.7B's shapes by default: CUDA graphs are on up to 3.5B). Each arm starts with no graph held and
+runs two sequences: ``cold`` (the first steps of a run: every shape a capture) and then ``steady``, ``STEPS`` new
+batches (other lengths, the row counts rotated) with the cold sequence's graphs still held, so its captures are the
+ones a long run keeps paying. One step runs first, untimed, with graphs that are then dropped (the process's own
+first-call costs: kernel compilation, allocator growth); arms run in the order 1, padded, padded, 1 (a drift
+cancels to first order).
+Reported per sequence: ms, captures, and the positions the update computes (padding rows included).
+
+    PYTHONPATH=. OUT=$OUT python3 bench/probe_graph_rows.py        # SIZE=1.7b MICRO=16 ROW_COUNTS=56,40,48,24,...
+    SMOKE=1 PYTHONPATH=. python3 bench/probe_graph_rows.py          # 2 layers of the tiny smoke shapes (still CUDA)
+"""
+
+import json
+import os
+import statistics
+import time
+from dataclasses import replace
+
+import torch
+
+from jetrl.bench.models import free_device_memory, random_model
+from jetrl.bench.shapes import QWEN3_SHAPES, h200_config, smoke_config
+from jetrl.bench.synthetic import random_prompts, random_records
+from jetrl.bench.training import _time_phase, _trainer
+from jetrl.rl.batch import RolloutBatch
+from jetrl.rl.micro_batches import plan
+from jetrl.rl.train_graphs import TrainingGraphs
+
+
+def _env(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def step_batch(rows: int, prompt: int, low: int, high: int, vocab: int, seed: int) -> RolloutBatch:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (rows,), generator=gen).tolist()
+    completions = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+    logprobs = [(-5 * torch.rand(n, generator=gen)).tolist() for n in lengths]
+    return RolloutBatch.build(random_prompts(rows, prompt, vocab, seed), completions, logprobs,
+                              torch.randn(rows, generator=gen), [True] * rows)
+
+
+def positions(batches: list[RolloutBatch], size: int, accum: int, graphs: TrainingGraphs) -> int:
+    """Positions the update's layers compute over the sequence, at the graphs' padded shapes."""
+    total = 0
+    for batch in batches:
+        lengths = batch.prompt_lengths + batch.completion_lengths
+        for step in plan(lengths, batch.completion_lengths, size, accum, True):
+            total += sum(graphs.padded_rows(len(mb)) * graphs.padded_length(int(lengths[mb].max())) for mb in step)
+    return total
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    micro, prompt, low, high = _env("MICRO", 16), _env("PROMPT", 128), _env("MIN", 64), _env("MAX", 1024)
+    counts = [int(n) for n in os.environ.get("ROW_COUNTS", "56,40,48,24,64,32,56,40").split(",")]
+    steps = _env("STEPS", len(counts))
+    smoke = os.environ.get("SMOKE") == "1"
+    cfg = replace((smoke_config if smoke else h200_config)(micro_batch=micro), train_iters=1)
+    if not smoke:
+        cfg = replace(cfg, **QWEN3_SHAPES[os.environ.get("SIZE", "1.7b")])
+    cfg = replace(cfg, train_layers=_env("LAYERS", cfg.train_layers), train_cuda_graphs="on")
+    widest = max(counts)
+    sequences = {"cold": [step_batch(counts[i % len(counts)], prompt, low, high, cfg.vocab, seed=i)
+                          for i in range(steps)],
+                 "steady": [step_batch(counts[(i + 3) % len(counts)], prompt, low, high, cfg.vocab, seed=steps + i)
+                            for i in range(steps)]}
+    model = random_model(cfg.model_config(cfg.train_layers), device, torch.bfloat16)
+    records = random_records(widest, prompt, cfg.vocab)
+    results: dict = {"row_counts": {name: [len(b.prompt_lengths) for b in batches]
+                                    for name, batches in sequences.items()}, "micro_batch": micro, "prompt": prompt,
+                     "completion": [low, high], "layers": cfg.train_layers, "size": os.environ.get("SIZE", "1.7b"),
+                     "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
+    arms = {"own_rows": 1, "padded_rows": micro}
+    for recipe in ("bf16", "jet"):
+        trainer = _trainer(model, recipe, records, generations=8, batch=widest, prompt_len=prompt,
+                           completion_len=high, cfg=cfg)
+        multiple, accum = trainer.train_graphs.length_multiple, trainer.args.gradient_accumulation_steps
+        _time_phase(trainer, sequences["cold"][0], device)  # the process's first-call costs, in no arm
+        times = {(name, arm): [] for name in sequences for arm in arms}
+        captures = {(name, arm): [] for name in sequences for arm in arms}
+        for arm in ("own_rows", "padded_rows", "padded_rows", "own_rows"):
+            trainer.train_graphs.reset()
+            trainer.train_graphs = TrainingGraphs(model, multiple, row_multiple=arms[arm])
+            for name, batches in sequences.items():
+                held = trainer.train_graphs.num_captures
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for batch in batches:
+                    _time_phase(trainer, batch, device)
+                times[name, arm].append((time.perf_counter() - start) * 1e3)
+                captures[name, arm].append(trainer.train_graphs.num_captures - held)
+        results[recipe] = {
+            f"{name}_{arm}": {"ms": statistics.mean(times[name, arm]), "samples_ms": times[name, arm],
+                              "captures": captures[name, arm],
+                              "positions": positions(sequences[name], micro, accum,
+                                                     TrainingGraphs(model, multiple, row_multiple=arms[arm]))}
+            for name in sequences for arm in arms}
+        results[recipe].update(length_multiple=multiple,
+                               updates=f"{trainer.optimizer_steps} updates, {trainer.nonfinite_steps} non-finite")
+        trainer.train_graphs.reset()
+        trainer = None
+        free_device_memory()
+    with open(os.path.join(os.environ.get("OUT", "."), "probe_graph_rows.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(json.dumps(results, indent=1))
+    print(f"\n{steps} steps of {results['row_counts']} rows x ({prompt} + {low}-{high}) tokens, micro-batches of "
+          f"{micro}, {cfg.train_layers} layers")
+    print(f"{'recipe':8} {'sequence':8} {'own rows ms':>12} {'padded ms':>10} {'speed-up':>9}  captures own / padded"
+          "  positions own / padded")
+    for recipe in ("bf16", "jet"):
+        for name in sequences:
+            own, padded = results[recipe][f"{name}_own_rows"], results[recipe][f"{name}_padded_rows"]
+            print(f"{recipe:8} {name:8} {own['ms']:12.0f} {padded['ms']:10.0f} {own['ms'] / padded['ms']:9.2f}  "
+                  f"{own['captures']} / {padded['captures']}  {own['positions']} / {padded['positions']}")
+
+
+if __name__ == "__main__":
+    main()
