@@ -1,5 +1,5 @@
 """CUDA-graphed training under dynamic sampling: a short micro-batch captured at its own row count, or padded to
-the full micro-batch's rows (``TrainingGraphs(row_multiple=...)``; the trainer passes ``per_device_train_batch_size``).
+the full micro-batch's rows (``TrainingGraphs(row_multiple=...)``, ``grpo.train_graph_row_multiple``).
 
 DAPO's dynamic sampling drops the groups whose rewards all agree, so each RL step trains a different number of rows
 and its last micro-batch is short by a different amount. With CUDA-graphed layers (jetrl/rl/train_graphs.py) every
@@ -11,8 +11,10 @@ the padding rows.
 This runs the trainer's own old-logprob pass and update (jetrl/bench/training.py's ``_time_phase``) over ``STEPS``
 batches whose row counts cycle through ``ROW_COUNTS`` (multiples of the group size, as dynamic sampling leaves them),
 with a ``PROMPT``-token prompt and completions of random lengths in [``MIN``, ``MAX``], under ``bf16`` and ``jet``
-(one process, Qwen3-1.7B's shapes by default: CUDA graphs are on up to 3.5B). Each arm starts with no graph held and
-runs two sequences: ``cold`` (the first steps of a run: every shape a capture) and then ``steady``, ``STEPS`` new
+(one process, Qwen3-1.7B's shapes by default: CUDA graphs are on up to 3.5B), old logprobs recomputed
+(``OLD_LOGPROBS=rollout``: reused from the rollout, as ``jet`` does by default, so no no-grad shapes). Each arm
+starts with no graph held and runs two sequences: ``cold`` (the first steps of a run: every new shape a capture)
+and then ``steady``, ``STEPS`` new
 batches (other lengths, the row counts rotated) with the cold sequence's graphs still held, so its captures are the
 ones a long run keeps paying. One step runs first, untimed, with graphs that are then dropped (the process's own
 first-call costs: kernel compilation, allocator growth); arms run in the order 1, padded, padded, 1 (a drift
@@ -20,7 +22,7 @@ cancels to first order).
 Reported per sequence: ms, captures, and the positions the update computes (padding rows included).
 
     PYTHONPATH=. OUT=$OUT python3 bench/probe_graph_rows.py        # SIZE=1.7b MICRO=16 ROW_COUNTS=56,40,48,24,...
-    SMOKE=1 PYTHONPATH=. python3 bench/probe_graph_rows.py          # 2 layers of the tiny smoke shapes (still CUDA)
+    SMOKE=1 MICRO=4 ROW_COUNTS=6,8,2 PROMPT=8 MIN=4 MAX=16 PYTHONPATH=. python3 bench/probe_graph_rows.py  # CUDA
 """
 
 import json
@@ -80,14 +82,16 @@ def main() -> None:
                             for i in range(steps)]}
     model = random_model(cfg.model_config(cfg.train_layers), device, torch.bfloat16)
     records = random_records(widest, prompt, cfg.vocab)
+    old_logprobs = os.environ.get("OLD_LOGPROBS", "recompute")
     results: dict = {"row_counts": {name: [len(b.prompt_lengths) for b in batches]
                                     for name, batches in sequences.items()}, "micro_batch": micro, "prompt": prompt,
-                     "completion": [low, high], "layers": cfg.train_layers, "size": os.environ.get("SIZE", "1.7b"),
+                     "completion": [low, high], "layers": cfg.train_layers, "old_logprobs": old_logprobs,
+                     "size": "smoke" if smoke else os.environ.get("SIZE", "1.7b"),
                      "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
     arms = {"own_rows": 1, "padded_rows": micro}
     for recipe in ("bf16", "jet"):
-        trainer = _trainer(model, recipe, records, generations=8, batch=widest, prompt_len=prompt,
-                           completion_len=high, cfg=cfg)
+        trainer = _trainer(model, recipe, records, generations=2, batch=widest, prompt_len=prompt,
+                           completion_len=high, cfg=cfg, old_logprobs=old_logprobs)
         multiple, accum = trainer.train_graphs.length_multiple, trainer.args.gradient_accumulation_steps
         _time_phase(trainer, sequences["cold"][0], device)  # the process's first-call costs, in no arm
         times = {(name, arm): [] for name in sequences for arm in arms}

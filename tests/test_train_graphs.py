@@ -19,13 +19,7 @@ from jetrl.fp8.convert import float8_modules
 from jetrl.fp8.refresh_graph import WeightRefresh
 from jetrl.models import CausalLM, ModelConfig
 from jetrl.rl import GRPOConfig
-from jetrl.rl.train_graphs import (
-    AUTO_MAX_LENGTHS,
-    TrainingGraphs,
-    auto_length_multiple,
-    auto_row_multiple,
-    unsupported_reason,
-)
+from jetrl.rl.train_graphs import AUTO_MAX_LENGTHS, TrainingGraphs, auto_length_multiple, unsupported_reason
 
 from .conftest import requires_sm90
 
@@ -37,11 +31,15 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs nee
 def test_config_checks():
     with pytest.raises(ValueError, match="train_cuda_graphs"):
         GRPOConfig(train_cuda_graphs="yes")
-    for name in ("train_graph_length_multiple", "train_graph_row_multiple"):
-        for bad in (0, "x", True):
-            with pytest.raises(ValueError, match=f"{name}.*'auto' or an int"):
-                GRPOConfig(**{name: bad})
-        assert getattr(GRPOConfig(), name) == "auto"
+    for bad in (0, "x", True):
+        with pytest.raises(ValueError, match="train_graph_length_multiple.*'auto' or an int"):
+            GRPOConfig(train_graph_length_multiple=bad)
+        with pytest.raises(ValueError, match="train_graph_row_multiple.*an int >= 1"):
+            GRPOConfig(train_graph_row_multiple=bad)
+    assert GRPOConfig().train_graph_length_multiple == "auto" and GRPOConfig().train_graph_row_multiple == 1
+    with pytest.raises(ValueError, match="train_graph_row_multiple=12 must divide grpo.per_device_train_batch_size=16"):
+        GRPOConfig(per_device_train_batch_size=16, train_graph_row_multiple=12)
+    assert GRPOConfig(per_device_train_batch_size=16, train_graph_row_multiple=16).train_graph_row_multiple == 16
     assert GRPOConfig(train_cuda_graphs=True).train_cuda_graphs == "on"  # YAML's reading of an override's "on"
     assert GRPOConfig(train_cuda_graphs=False).train_cuda_graphs == "off"
 
@@ -53,17 +51,6 @@ def test_auto_length_multiple_bounds_the_shapes():
     for n in range(1, 20000, 37):
         multiple = auto_length_multiple(n)
         assert multiple % 128 == 0 and -(-n // multiple) <= AUTO_MAX_LENGTHS
-
-
-def test_auto_row_multiple_pads_only_where_short_row_counts_vary():
-    """Dynamic sampling keeps whole groups of G rows, so a short micro-batch holds G*k mod size rows: padding to full
-    micro-batches ('auto' = size) only where that leaves two or more different counts."""
-    assert auto_row_multiple(16, 4, True) == 16  # 4, 8 or 12 rows
-    assert auto_row_multiple(32, 8, True) == 32  # 8, 16 or 24
-    assert auto_row_multiple(16, 6, True) == 16  # 2, 4, ..., 14
-    assert auto_row_multiple(16, 8, True) == 1  # always 8: one shape more per length, which the cache keeps
-    assert auto_row_multiple(8, 8, True) == auto_row_multiple(8, 16, True) == 1  # never short
-    assert auto_row_multiple(16, 4, False) == 1  # without dynamic sampling every step trains as many rows
 
 
 def test_the_command_line_takes_on_and_off():
@@ -247,7 +234,7 @@ def test_replay_is_bit_identical_to_eager_at_the_padded_shape(recipe):
 
 
 @cuda
-@pytest.mark.parametrize("recipe", ["bf16", "jet"])
+@pytest.mark.parametrize("recipe", ["bf16", "jet", "jet_kv"])
 def test_short_micro_batches_replay_the_full_rows_shape(recipe):
     """With ``row_multiple`` (the trainer's micro-batch size) a micro-batch of fewer rows is padded below with rows of
     token 0 and replays the full micro-batch's graph at its length: no capture of its own. Its hidden states and
@@ -414,8 +401,9 @@ def test_trainer_with_graphs_equals_the_eager_trainer(recipe):
     for bit. With the default multiple its micro-batches are padded: one step's update then differs from the
     eager one's by rounding (BF16 GEMMs of another shape; FP8 wgrad groups along tokens that take in the
     padding), far less than the update itself."""
-    from jetrl.bench.synthetic import IdTokenizer, parity_reward, random_records
+    from jetrl.bench.synthetic import IdTokenizer, parity_reward, random_prompts, random_records
     from jetrl.rl import GRPOTrainer
+    from jetrl.rl.batch import RolloutBatch
 
     records = random_records(4, 6, CFG.vocab_size, seed=3)
 
@@ -440,7 +428,7 @@ def test_trainer_with_graphs_equals_the_eager_trainer(recipe):
     eager, _, w_eager = run("off", steps=2)
     assert eager.train_graphs is None
     exact, _, w_exact = run("on", steps=2, multiple=1)
-    assert exact.train_graphs.num_replays > 0 and exact.train_graphs.row_multiple == 1  # 'auto', no dynamic sampling
+    assert exact.train_graphs.num_replays > 0 and exact.train_graphs.row_multiple == 1  # the default: no padding
     assert exact.weight_refresh.num_replays == (3 if recipe == "jet" else 0)  # 4 optimizer steps, 1 capture
     for name, w in w_eager.items():
         assert torch.equal(w, w_exact[name]), name
@@ -450,10 +438,27 @@ def test_trainer_with_graphs_equals_the_eager_trainer(recipe):
     update = sum(float((w_one[n].float() - w.float()).norm()) for n, w in start.items())
     apart = sum(float((w_padded[n].float() - w_one[n].float()).norm()) for n in start)
     assert 0 < update and apart < 0.5 * update, (apart, update)
-    # 'auto' row padding: G = 2 in micro-batches of 8 leaves 3 short row counts under dynamic sampling
-    assert trainer_for("on", 1, per_device_train_batch_size=8, gradient_accumulation_steps=1,
-                       dynamic_sampling=True).train_graphs.row_multiple == 8
-    assert trainer_for("on", 1, train_graph_row_multiple=3).train_graphs.row_multiple == 3
+    # a rollout batch of 6 rows, as dynamic sampling leaves them: micro-batches of 4 and 2 rows; with
+    # train_graph_row_multiple=4 the short one is padded and replays the full one's graphs (old logprobs, update)
+    gen = torch.Generator().manual_seed(5)
+    lengths = [12, 3, 9, 7, 12, 5]
+    batch = RolloutBatch.build(random_prompts(6, 6, CFG.vocab_size, seed=5),
+                               [torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist() for n in lengths],
+                               [(-3 * torch.rand(n, generator=gen)).tolist() for n in lengths],
+                               torch.randn(6, generator=gen), [True] * 6)
+    weights = []
+    for choice, rows in (("off", 1), ("on", 4)):
+        trainer = trainer_for(choice, 1, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                              train_graph_row_multiple=rows)
+        start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        trainer._old_logprobs(batch, {})
+        trainer._update(batch, {})
+        weights.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+    graphs = trainer.train_graphs
+    assert graphs.num_captures == 2 and [key[:3] for key in graphs._graphs] == [(4, 128, False), (4, 128, True)]
+    update = sum(float((weights[0][n].float() - w.float()).norm()) for n, w in start.items())
+    apart = sum(float((weights[1][n].float() - weights[0][n].float()).norm()) for n in start)
+    assert 0 < update and apart < 0.5 * update, (apart, update)
 
 
 @requires_sm90  # exact mode's kernels

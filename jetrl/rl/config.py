@@ -91,11 +91,11 @@ class GRPOConfig:
                                                 "(max_prompt_length + max_completion_length) would otherwise need "
                                                 "more than 6 lengths, so the captured shapes stay within the "
                                                 "graphs' cache when micro-batches are grouped by length")
-    train_graph_row_multiple: int | str = _f("auto", "with train_cuda_graphs, a micro-batch's rows are padded up to a "
-                                             "multiple of this, so a short last micro-batch replays the full one's "
-                                             "graph instead of a capture of its own; 'auto': "
-                                             "per_device_train_batch_size where dynamic sampling can leave two or "
-                                             "more different short row counts, otherwise 1 (no padding)")
+    train_graph_row_multiple: int = _f(1, "with train_cuda_graphs, a micro-batch's rows are padded up to a multiple "
+                                       "of this (a divisor of per_device_train_batch_size; 1 = no padding): with "
+                                       "per_device_train_batch_size, a short last micro-batch (dynamic sampling) "
+                                       "replays the full one's graph instead of a capture of its own, and computes "
+                                       "its padding rows (jetrl/rl/train_graphs.py says when that pays)")
 
     def __post_init__(self) -> None:
         if isinstance(self.train_cuda_graphs, bool):  # YAML reads an override's on/off as a boolean
@@ -103,14 +103,17 @@ class GRPOConfig:
         positive = ("max_steps", "num_generations", "generation_batch_size", "max_prompt_length",
                     "max_completion_length", "per_device_train_batch_size", "gradient_accumulation_steps",
                     "num_iterations")
-        for name in ("train_graph_length_multiple", "train_graph_row_multiple"):
-            multiple = getattr(self, name)
-            if multiple != "auto" and (not isinstance(multiple, int) or isinstance(multiple, bool) or multiple < 1):
-                raise ValueError(f"grpo.{name}={multiple!r} must be 'auto' or an int >= 1")
-        for name in positive:
+        multiple = self.train_graph_length_multiple
+        if multiple != "auto" and (not isinstance(multiple, int) or isinstance(multiple, bool) or multiple < 1):
+            raise ValueError(f"grpo.train_graph_length_multiple={multiple!r} must be 'auto' or an int >= 1")
+        for name in (*positive, "train_graph_row_multiple"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"grpo.{name}={value!r} must be an int >= 1")
+        if self.per_device_train_batch_size % self.train_graph_row_multiple:
+            raise ValueError(f"grpo.train_graph_row_multiple={self.train_graph_row_multiple} must divide "
+                             f"grpo.per_device_train_batch_size={self.per_device_train_batch_size}, or full "
+                             "micro-batches would be padded too; use 1 (no padding) or the micro-batch size")
         if self.generation_batch_size % self.num_generations:
             raise ValueError(
                 f"grpo.generation_batch_size={self.generation_batch_size} must be a multiple of "

@@ -14,15 +14,27 @@ old-logprob pass) a forward graph alone. A shape is (rows rounded up to ``row_mu
 ``length_multiple``, training or not, the precision phase, exact mode or not): the input is padded on the right
 with token 0, which changes no real token's hidden state (causal attention; padding only follows), and below with
 rows of token 0, which share nothing with the real rows (attention stays within a row); the padded positions and
-rows get no gradient (the loss never gathers them). With ``row_multiple`` = ``per_device_train_batch_size`` a short
-micro-batch -- the last of an optimizer step, whose row count dynamic sampling changes from step to step -- replays
-the full micro-batch's graph at its length instead of a capture of its own (:func:`auto_row_multiple` says when
-the trainer does that).
+rows get no gradient (the loss never gathers them).
 
     forward   copy x into the graph's input; replay; the output is the graph's static (B, L', H) buffer
     backward  copy dh into the graph's static gradient; replay: dx for the embedding's backward, and every
               layer parameter's gradient *added in place into its .grad* (captured accumulation), so gradient
               accumulation over micro-batches is the eager one, with no extra kernel per parameter
+
+Short micro-batches (``grpo.train_graph_row_multiple``, 1 by default). Under DAPO's dynamic sampling a rank keeps
+whole groups of G rows, so the last micro-batch of its rollout batch holds G*k mod ``size`` rows
+(``per_device_train_batch_size``): one of ``size / gcd(G, size) - 1`` counts, each a shape of its own at each length
+it lands in, and with a recomputed old-logprob pass a second (no-grad) shape. With ``row_multiple = size`` it
+replays the full micro-batch's graph at its length instead, and computes its padding rows at every step. Measured
+on the H200 at Qwen3-1.7B's shapes, old logprobs recomputed, micro-batches of 16, 4 per optimizer step (runs GS,
+GT; bench/probe_graph_rows.py: 6 steps of 24-64 rows, 128 + 64-1024 tokens, then 6 new ones with the graphs held):
+with G = 8 (short micro-batches always of 8 rows) padding saved the first steps 4 of 12 captures (1.12-1.15x over
+them) and was then 2-6% slower in steady state, computing its padding rows for nothing; with G = 4 (4, 8 or 12
+rows) the shapes outgrew the cache and a long run kept capturing (2 captures in 6 steps): padding was 1.01-1.10x in
+steady state and 1.20-1.22x over the first steps (14 captures down to 8). It is not on by default because it loses
+where the short shapes fit in the cache -- one count (measured), and likely with the old-logprob pass reused from
+the rollout (``jet``'s default: one shape per length, not two; not measured) -- and its cost grows as a rank's rollout batch shrinks toward one
+micro-batch: padding a lone micro-batch of 16 kept rows to 64 computes 4x the rows.
 
 What a replay cannot do, and how this file covers it:
 * **Weights.** The graph reads the FP8 weight caches' buffers (codes and scales of W, W^T, the stacked W_s
@@ -56,14 +68,13 @@ the new one is captured (a failed capture drops nothing), and with it the weight
 Numerics: a replay runs exactly the kernels an eager call at the padded shape runs, so results are
 bit-identical to the eager model at that shape (tests/test_train_graphs.py). That holds for exact mode's
 batch-invariant kernels too (jetrl/exact.py): the rollout's logprobs still equal the graphed trainer's at every
-token (a GPU test). Against the eager model at the unpadded shape, the FP8 wgrad's 1x128 groups along tokens take
-in the padding positions' activations (of padded lengths and padded rows alike), as they already take in the
-padding of a micro-batch's shorter sequences.
+token (a GPU test). Against the eager model at the unpadded length, the FP8 wgrad's 1x128 groups along tokens take
+in the padding positions' activations, as they already take in the padding of a micro-batch's shorter sequences
+(padded rows add whole groups of their own where the length multiple is one of 128, as the 'auto' one always is).
 """
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 
 import torch
@@ -89,30 +100,10 @@ def auto_length_multiple(max_length: int) -> int:
     length from the shortest to the longest, each a shape to capture, once for the update (training) and once for a
     recomputed old-logprob pass (no-grad); past ``max_graphs`` shapes the least recently used is dropped and captured
     again at its next use, and micro-batches cycle through their lengths, so every one would pay a capture. 6
-    lengths take 12 of the 16 shapes kept (a short last micro-batch replays its length's full-rows shape:
-    ``row_multiple``), leaving 4 spare."""
+    lengths take 12 of the 16 shapes kept, leaving 4 for short last micro-batches (dynamic sampling: their row count
+    can change from step to step, so those may still be captured again; ``row_multiple`` in the module docstring)."""
     per_length = -(-max_length // AUTO_MAX_LENGTHS)
     return max(DEFAULT_LENGTH_MULTIPLE, -(-per_length // DEFAULT_LENGTH_MULTIPLE) * DEFAULT_LENGTH_MULTIPLE)
-
-
-def auto_row_multiple(size: int, num_generations: int, dynamic_sampling: bool) -> int:
-    """``grpo.train_graph_row_multiple='auto'``: ``size`` (``per_device_train_batch_size``: short micro-batches padded
-    to full ones) where dynamic sampling can leave two or more different short row counts, otherwise 1.
-
-    Why: a short micro-batch at its own row count is a shape of its own, captured for the update and again for the
-    no-grad old-logprob pass, and held among the graphs' 16. Dynamic sampling keeps whole groups of
-    ``num_generations`` rows, so a rank's rows are a multiple of G and its short micro-batch holds G*k mod ``size``
-    rows: one of ``size / gcd(G, size) - 1`` counts, at each length. Measured on the H200 at Qwen3-1.7B's shapes
-    (runs GS, GT; bench/probe_graph_rows.py: 6 steps of 24-64 rows, 128 + 64-1024 tokens, then 6 more with the
-    graphs held). One count (G = 8, micro-batches of 16) adds a few shapes that the cache keeps: padding saved the
-    first steps 4 of 12 captures (1.12-1.15x over them, GT), then computed its padding rows at every step for
-    nothing, 2-6% slower in steady state. Three counts (G = 4) add more shapes than the cache holds, so a long run
-    keeps capturing some (2 captures in 6 steps): padding avoided them, 1.01-1.10x in steady state and 1.20-1.22x
-    over the first steps (14 captures down to 8). Without dynamic sampling every step trains the same number of
-    rows: at most one short count."""
-    if not dynamic_sampling:
-        return 1
-    return size if size // math.gcd(num_generations, size) - 1 >= 2 else 1
 
 
 class TrainingGraphs:

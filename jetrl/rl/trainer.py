@@ -60,13 +60,7 @@ from jetrl.rl.metrics import mismatch_metrics, mismatch_weights
 from jetrl.rl.micro_batches import plan
 from jetrl.rl.replicas import Replicas, with_weight
 from jetrl.rl.rollout import rollout
-from jetrl.rl.train_graphs import (
-    TrainingGraphs,
-    auto_enabled,
-    auto_length_multiple,
-    auto_row_multiple,
-    unsupported_reason,
-)
+from jetrl.rl.train_graphs import TrainingGraphs, auto_enabled, auto_length_multiple, unsupported_reason
 
 
 class NonFiniteStepError(RuntimeError):
@@ -156,12 +150,10 @@ class GRPOTrainer:
         if problem or (choice == "auto" and not auto_enabled(self.model)):
             return None
         args = self.args
-        multiple, rows = args.train_graph_length_multiple, args.train_graph_row_multiple
+        multiple = args.train_graph_length_multiple
         if multiple == "auto":
             multiple = auto_length_multiple(args.max_prompt_length + args.max_completion_length)
-        if rows == "auto":
-            rows = auto_row_multiple(args.per_device_train_batch_size, args.num_generations, args.dynamic_sampling)
-        return TrainingGraphs(self.model, multiple, row_multiple=rows)
+        return TrainingGraphs(self.model, multiple, row_multiple=args.train_graph_row_multiple)
 
     def graphed_hidden_states(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """The CUDA graphs' ``hidden_states``, or None (eager)."""
