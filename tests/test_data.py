@@ -193,6 +193,9 @@ def test_parquet_round_trip_and_verl(tmp_path):
     ("noprompt.jsonl", '{"answer": "1"}\n', r"noprompt\.jsonl:1: record has no prompt"),
     ("badmsg.jsonl", '{"prompt": [{"role": "robot", "content": "x"}], "answer": "1"}\n',
      r"badmsg\.jsonl:1: .*role 'robot'"),
+    ("dictgold.jsonl", '{"prompt": "a", "answer": {"v": 0}}\n',
+     r"dictgold\.jsonl:1: .*gold answer \{'v': 0\} is a dict"),
+    ("nangold.jsonl", '{"prompt": "a", "answer": NaN}\n', r"nangold\.jsonl:1: .*gold answer nan is a float"),
     ("data.csv", "prompt,answer\n", r"unsupported dataset format '\.csv'"),
     ("bad.parquet", "not parquet", r"bad\.parquet: cannot read parquet"),
 ])
@@ -239,6 +242,19 @@ def test_split_eval():
     assert len(train) == len(repeated) - sum(_key(r) in set(map(_key, held_out)) for r in repeated)
     with pytest.raises(ValueError, match="holds out 8 of 8 distinct problems \\(18 records\\)"):
         split_eval(repeated, 8)
+
+
+def test_a_file_task_counts_problems_not_records(tmp_path):
+    """Records that share a prompt are one problem: a file of 50 copies of one prompt cannot hold out 2, and the
+    error says so in the config's terms (not split_eval's)."""
+    from jetrl.run.config import TaskConfig
+    from jetrl.run.tasks import load_task
+
+    path = tmp_path / "dup.jsonl"
+    path.write_text('{"prompt": "What is 2 + 2?", "answer": "4"}\n' * 50)
+    with pytest.raises(DatasetError, match=r"dup\.jsonl has 1 distinct prompt\(s\) in 50 records; task.num_eval=2 "
+                                           "leaves none to train on: lower task.num_eval or give task.eval_path"):
+        load_task(TaskConfig(source="file", path=str(path), num_eval=2))
 
 
 # ---------------------------------------------------------------- chat template

@@ -188,6 +188,15 @@ def test_missing_config(tmp_path):
         load_pretrained(tmp_path)
 
 
+def test_config_json_without_a_required_key_names_it(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "hidden_size": 64}))
+    with pytest.raises(CheckpointError, match="config.json has no 'vocab_size', which an HF config"):
+        load_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("[1]")
+    with pytest.raises(CheckpointError, match="must hold a JSON object"):
+        load_pretrained(tmp_path)
+
+
 def test_missing_weights(llama_dir):
     (llama_dir / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="model.safetensors"):

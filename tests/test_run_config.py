@@ -66,8 +66,12 @@ def test_task_options_reach_the_reasoning_gym_dataset(tmp_path):
         ("", ["grpo.learning_rate=.inf"], "grpo.learning_rate=inf must be > 0 and finite"),
         ("", ["grpo.temperature=.nan"], "grpo.temperature=nan must be >= 1e-05 and finite"),
         ("", ["grpo.temperature=1e-6"], "grpo.temperature=1e-06 must be >= 1e-05 .*decodes greedily"),
-        ("", ["grpo.reward_weights=[a]"], "grpo.reward_weights=\\['a'\\] must be None or a list of finite numbers"),
-        ("", ["grpo.reward_weights=[.nan]"], "must be None or a list of finite numbers"),
+        ("", ["grpo.reward_weights=[a]"], "grpo.reward_weights=\\['a'\\] must be None \\(all 1\\) or a list of finite"),
+        ("", ["grpo.reward_weights=[.nan]"], "must be None \\(all 1\\) or a list of finite numbers"),
+        ("", ["grpo.reward_weights=[]"], "must be None \\(all 1\\) or a list of finite numbers"),
+        ("", ["grpo.reward_weights=[1, 1]"], "has 2 entries for the 1 reward function\\(s\\) of task.reward_funcs"),
+        ("", ["task.path=/data/train.jsonl"], "task.path is read only with task.source='file'.*add task.source=file"),
+        ("", ["task.name=chain_sum"], "task.name='chain_sum' names a task of .*set task.source"),
         ("", ["eval.temperature=.nan"], "eval.temperature=nan >= 0 and finite"),
         ("", ["threads=0"], "threads=0 must be >= 1"),
         ("", ["task.reward_funcs=[1]"], "task.reward_funcs=\\[1\\] must be names"),
@@ -153,7 +157,7 @@ def test_a_run_dir_is_never_overwritten_and_a_copied_run_resumes_where_it_is(tmp
     assert load_run_config(old).run_dir == str(old)  # not the directory the run was started in
     proc = subprocess.run([sys.executable, "-m", "jetrl", "train", "--preset", "tiny", "--run-dir", str(old)],
                           capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 2 and "already holds a run (config.yaml, metrics.jsonl)" in proc.stderr
+    assert proc.returncode == 2 and "already holds a run (metrics.jsonl)" in proc.stderr
     assert "--resume" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert (old / "metrics.jsonl").read_text() == '{"step": 1}\n'  # untouched
     (old / "config.yaml").write_text("grpo: [1, 2\n")
@@ -164,6 +168,23 @@ def test_a_run_dir_is_never_overwritten_and_a_copied_run_resumes_where_it_is(tmp
     proc = subprocess.run([sys.executable, "-m", "jetrl", "train", "--preset", "tiny", "--run-dir", str(file_dir)],
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 2 and "is a file" in proc.stderr and "Traceback" not in proc.stderr
+    # a run that stopped before logging a step left only its config (and an empty log): a new run may start there
+    from jetrl.rl.checkpoint import resume_checkpoint
+    from jetrl.run.train import _check_run_dir
+
+    stopped = tmp_path / "stopped"
+    (stopped / "tensorboard").mkdir(parents=True)
+    (stopped / "config.yaml").write_text(cfg.to_yaml())
+    (stopped / "metrics.jsonl").write_text("")
+    _check_run_dir(stopped, resume=False)
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint.*another --run-dir, or delete"):
+        resume_checkpoint(stopped)
+    (stopped / "checkpoints").mkdir()
+    _check_run_dir(stopped, resume=False)  # an empty checkpoints dir holds nothing either
+    with pytest.raises(OSError, match="run dir .*a_file/run cannot be written.*--run-dir"):
+        _check_run_dir(file_dir / "run", resume=False)  # checked before the model loads
+    _check_run_dir(tmp_path / "new" / "run", resume=False)
+    assert not (tmp_path / "new").exists()  # the check leaves nothing behind
 
 
 def test_resume_points_at_complete_checkpoints_and_a_run_records_the_checkpoint_it_started_from(tmp_path):
@@ -225,3 +246,29 @@ def test_deterministic_sets_torch_and_cublas_for_the_run_only(monkeypatch):
     assert torch.are_deterministic_algorithms_enabled() == before
     assert torch.utils.deterministic.fill_uninitialized_memory is True  # torch's default, back
     assert os.environ[CUBLAS_ENV] == CUBLAS_FIXED_WORKSPACE
+
+
+def test_prompts_files_name_the_bad_line(tmp_path):
+    """`jetrl generate --prompts-file`: a bad prompt is named by file:line, a blank file and a file that is not UTF-8
+    say so, and --raw takes a message list's last message (validated first)."""
+    from jetrl.run.generate import encode_prompts, read_prompts
+
+    cases = {"role.jsonl": ('{"prompt": "ok"}\n{"prompt": [{"role": "bot", "content": "x"}]}\n',
+                            r"role\.jsonl:2: prompt message 0 has role 'bot'"),
+             "number.jsonl": ('{"prompt": 5}\n', r"number\.jsonl:1: prompt must be a string or a non-empty list"),
+             "blank.txt": ("\n  \n", r"prompts file .*blank\.txt holds no prompt"),
+             "latin1.txt": (b"caf\xe9\n", r"prompts file .*latin1\.txt is not UTF-8 text")}
+    for name, (content, match) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        with pytest.raises(ValueError, match=match):
+            read_prompts(None, str(path))
+    (tmp_path / "good.jsonl").write_text('{"prompt": [{"role": "user", "content": "2+3="}]}\n\n')
+    prompts = read_prompts(["1+1="], str(tmp_path / "good.jsonl"))
+    assert prompts == ["1+1=", [{"role": "user", "content": "2+3="}]]
+
+    class Chars:
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    assert encode_prompts(Chars(), prompts, raw=True) == [[49, 43, 49, 61], [50, 43, 51, 61]]

@@ -208,6 +208,11 @@ def split_eval(records: Sequence[Record], eval_size: int | float,  # noqa: PYI04
     return train, [records[i] for i in sorted(first[k] for k in held_out)]
 
 
+def distinct_prompts(records: Sequence[Record]) -> int:
+    """How many problems ``records`` hold: records with the same prompt are one (``split_eval``)."""
+    return len({_prompt_key(record) for record in records})
+
+
 def _prompt_key(record: Record) -> str:
     """A record's prompt as a canonical string (its chat messages, or its text)."""
     return json.dumps(record.get("prompt"), sort_keys=True, default=str)

@@ -20,6 +20,7 @@ it is that scorer, which the run's task config then has to use (jetrl/run/tasks.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -75,6 +76,10 @@ def make_record(prompt: str | Sequence[Mapping[str, Any]], ground_truth: Any, ta
         gold = None
     elif ground_truth is None or (isinstance(ground_truth, str) and not ground_truth.strip()):
         raise ValueError("record has no gold answer")
+    elif isinstance(ground_truth, Mapping) or (isinstance(ground_truth, float) and not math.isfinite(ground_truth)):
+        # its text ("{'v': 0}", "nan") could never be scored correct: a data error, not an answer
+        raise ValueError(f"record's gold answer {ground_truth!r:.60} is a {type(ground_truth).__name__}; give it as "
+                         "text or a finite number (a mapping belongs in 'metadata')")
     else:
         gold = str(ground_truth).strip()
     record: Record = {"prompt": to_messages(prompt), "ground_truth": gold, "task": str(task)}

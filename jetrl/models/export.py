@@ -105,7 +105,7 @@ def resolve_checkpoint(run: str | Path) -> Path:
         if not steps:
             raise CheckpointError(
                 f"{run} is neither a checkpoint directory (no {CONFIG_NAME}) nor a run directory (no "
-                "checkpoints/latest or checkpoints/step_<N>/); point --run at one of those"
+                "checkpoints/latest or checkpoints/step_<N>/); point at one of those"
             )
         target = max(steps)[1]
     if not (target / CONFIG_NAME).is_file():
@@ -207,6 +207,10 @@ def export_checkpoint(
     if out_dir.is_dir() and any(out_dir.iterdir()):  # a training checkpoint, a run dir, an earlier export: not ours
         raise CheckpointError(f"--out {out_dir} is not empty; export into a new or empty directory (delete {out_dir} "
                               "first to replace what it holds)")
+    try:  # before the model loads: a path that cannot be written fails at once
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"--out {out_dir} cannot be created ({e.strerror}); pass a writable directory") from None
     fp8_src = read_fp8_quantization_config(src)
     if recipe is None and fp8_src is not None and fp8_src.get("jetrl_recipe"):
         recipe = fp8_src["jetrl_recipe"]  # re-export with the recipe the codes were made under

@@ -74,9 +74,14 @@ def _read_config(path: str | Path) -> tuple[Path, dict[str, Any]]:
 
 def _config_from(path: str | Path, read: tuple[Path, dict[str, Any]]) -> ModelConfig:
     cfg_file, raw = read
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg_file} must hold a JSON object (the model's config), got {type(raw).__name__}")
     try:
         return ModelConfig.from_hf_dict(raw)
-    except (ValueError, KeyError) as e:
+    except KeyError as e:
+        raise CheckpointError(f"{cfg_file} has no {e.args[0]!r}, which an HF config of this architecture needs; "
+                              "restore the model's own config.json") from e
+    except (ValueError, TypeError) as e:
         raise CheckpointError(f"{cfg_file}: {e}") from e
 
 

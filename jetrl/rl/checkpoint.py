@@ -70,7 +70,9 @@ def resume_checkpoint(run_dir: str | Path) -> Path:
             f"--resume: {pointer} does not point at a complete checkpoint, but {', '.join(complete)} "
             f"{'is' if len(complete) == 1 else 'are'} complete: write the name of the one to resume from into it "
             f"(e.g. echo {complete[-1]} > {pointer})")
-    raise FileNotFoundError(f"--resume: {run_dir} has no complete checkpoint to resume from")
+    raise FileNotFoundError(f"--resume: {run_dir} has no complete checkpoint to resume from (the run stopped before "
+                            "its first one; save_steps sets how often one is written): start it over in another "
+                            f"--run-dir, or delete {run_dir} first")
 
 
 def _step_dirs(root: Path) -> list[Path]:

@@ -134,9 +134,10 @@ class GRPOConfig:
             (0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)"),
             (0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)"),
             (0 <= self.weight_decay < math.inf, "weight_decay", "must be >= 0 and finite"),
-            (self.reward_weights is None or all(isinstance(w, (int, float)) and not isinstance(w, bool)
-                                                and math.isfinite(w) for w in self.reward_weights),
-             "reward_weights", "must be None or a list of finite numbers, one per reward function"),
+            (self.reward_weights is None or (len(self.reward_weights) > 0 and all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
+                for w in self.reward_weights)),
+             "reward_weights", "must be None (all 1) or a list of finite numbers, one per reward function"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
             (self.top_k >= 0, "top_k", "must be >= 0"),
             (0 <= self.epsilon < 1, "epsilon", "must be in [0, 1)"),

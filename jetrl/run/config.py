@@ -62,6 +62,14 @@ class TaskConfig:
             raise ValueError(f"task.source={self.source!r} must be 'tiny_adder', 'synthetic', 'reasoning_gym' or 'file'")
         if self.source == "file" and not self.path:
             raise ValueError("task.source='file' needs task.path=<jsonl or parquet file>")
+        for name in ("path", "eval_path"):  # set for another source, they would be silently ignored
+            if getattr(self, name) and self.source != "file":
+                raise ValueError(f"task.{name} is read only with task.source='file' (now {self.source!r}): add "
+                                 f"task.source=file to train on {getattr(self, name)}")
+        if self.source == "tiny_adder" and self.name != "+":  # the default preset's source: a name without a source
+            raise ValueError(f"task.name={self.name!r} names a task of task.source='synthetic' or 'reasoning_gym'; "
+                             f"task.source={self.source!r} does not read it: set task.source (e.g. "
+                             "task.source=reasoning_gym for a reasoning-gym task)")
         if self.num_train < 1 or self.num_eval < 0:
             raise ValueError(f"task.num_train={self.num_train} must be >= 1 and task.num_eval={self.num_eval} >= 0")
         if not self.reward_funcs:
@@ -123,6 +131,11 @@ class RunConfig:
             raise ValueError(f"threads={self.threads} must be >= 1, or null for torch's default")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device={self.device!r} must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
+        weights = self.grpo.reward_weights
+        if weights is not None and len(weights) != len(self.task.reward_funcs):
+            raise ValueError(f"grpo.reward_weights={weights} has {len(weights)} entries for the "
+                             f"{len(self.task.reward_funcs)} reward function(s) of task.reward_funcs="
+                             f"{self.task.reward_funcs}: give one weight each, or null for all 1")
         if self.wandb_project is not None:
             if not self.wandb_project.strip():
                 raise ValueError("wandb_project is empty: name a W&B project, or leave it unset (null)")
@@ -227,7 +240,10 @@ def resolve_config(base: RunConfig, yaml_path: str | Path | None = None, overrid
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} does not exist")
         try:
-            loaded = yaml.safe_load(path.read_text())
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"config file {path} is not UTF-8 text (byte {e.start}: {e.reason}); save it as "
+                             "UTF-8") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

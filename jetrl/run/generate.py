@@ -23,13 +23,19 @@ from jetrl.run.models import load_model, model_path
 
 
 def read_prompts(prompts: list[str] | None, prompts_file: str | None) -> list[Any]:
-    """Prompt strings (or message lists) from ``--prompt`` and ``--prompts-file``."""
+    """Prompt strings (or message lists) from ``--prompt`` and ``--prompts-file``, each checked where it was read (a
+    bad line is named by ``file:line``)."""
     out: list[Any] = list(prompts or [])
     if prompts_file is not None:
         path = Path(prompts_file)
         if not path.is_file():
             raise FileNotFoundError(f"prompts file {path} does not exist")
-        for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"prompts file {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+        found = 0
+        for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             if path.suffix == ".jsonl":
@@ -39,9 +45,16 @@ def read_prompts(prompts: list[str] | None, prompts_file: str | None) -> list[An
                     raise ValueError(f"{path}:{number}: not valid JSON ({e.msg})") from None
                 if not isinstance(record, dict) or "prompt" not in record:
                     raise ValueError(f"{path}:{number}: a jsonl prompt line needs a 'prompt' field")
+                try:
+                    to_messages(record["prompt"])
+                except ValueError as e:
+                    raise ValueError(f"{path}:{number}: {e}") from None
                 out.append(record["prompt"])
             else:
                 out.append(line)
+            found += 1
+        if not found:
+            raise ValueError(f"prompts file {path} holds no prompt (every line is blank)")
     if not out:
         raise ValueError("no prompt given: pass --prompt TEXT (repeatable) or --prompts-file FILE")
     return out
@@ -49,8 +62,8 @@ def read_prompts(prompts: list[str] | None, prompts_file: str | None) -> list[An
 
 def encode_prompts(tokenizer: Any, prompts: list[Any], raw: bool = False) -> list[list[int]]:
     """Token ids of each prompt: through the tokenizer's chat template, or (``raw``) its text encoded as is."""
-    if raw:
-        return [tokenizer.encode(p if isinstance(p, str) else p[-1]["content"]) for p in prompts]
+    if raw:  # the text of a string, or of a message list's last message
+        return [tokenizer.encode(p if isinstance(p, str) else to_messages(p)[-1]["content"]) for p in prompts]
     return [tokenizer.apply_chat_template(to_messages(p)) for p in prompts]
 
 

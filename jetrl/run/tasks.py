@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from jetrl.data import load_records, reasoning_gym_records, split_eval, synthetic_split
-from jetrl.data.datasets import DatasetError
+from jetrl.data.datasets import DatasetError, distinct_prompts
 
 ANSWER_FREE_REWARDS = {"reasoning_gym", "format"}  # the registered rewards that never read a gold answer
 
@@ -28,7 +28,7 @@ def load_task(task: Any) -> tuple[list[dict], list[dict]]:
                                         allow_no_answer=answer_free, **task.options)
         if task.num_eval == 0:
             return records, []
-        return split_eval(records, task.num_eval, task.seed)
+        return _held_out(records, task, f"reasoning-gym task {task.name!r}", "raise task.num_train")
     records = load_records(task.path, require_answer=not answer_free)
     if not records:
         raise DatasetError(f"dataset file {task.path} holds no records")
@@ -37,7 +37,14 @@ def load_task(task: Any) -> tuple[list[dict], list[dict]]:
         return records, eval_records[: task.num_eval] if task.num_eval else eval_records
     if task.num_eval == 0:
         return records, []
-    if task.num_eval >= len(records):
-        raise DatasetError(f"{task.path} has {len(records)} records; task.num_eval={task.num_eval} leaves none to "
-                           "train on: lower task.num_eval or give task.eval_path")
+    return _held_out(records, task, str(task.path), "give task.eval_path")
+
+
+def _held_out(records: list[dict], task: Any, where: str, other: str) -> tuple[list[dict], list[dict]]:
+    """``split_eval`` of ``task.num_eval`` problems, or an error in the config's terms: records that share a prompt
+    are one problem, held out together."""
+    problems = distinct_prompts(records)
+    if task.num_eval >= problems:
+        raise DatasetError(f"{where} has {problems} distinct prompt(s) in {len(records)} records; task.num_eval="
+                           f"{task.num_eval} leaves none to train on: lower task.num_eval or {other}")
     return split_eval(records, task.num_eval, task.seed)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -82,7 +83,7 @@ def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str)
     torch.manual_seed(cfg.grpo.seed)
     run_dir = Path(replicas.broadcast_object(  # rank 0's clock names a new run for every rank
         str(cfg.run_dir or f"runs/{cfg.preset}-{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}")))
-    _check_run_dir(run_dir, resume)
+    _check_run_dir(run_dir, resume, writes=main)
     checkpoint = resume_checkpoint(run_dir) if resume else None
 
     # cheap checks first: data and reward names fail before a model is built or loaded
@@ -230,15 +231,41 @@ def _fmt(accuracy: float | None) -> str:
     return "-" if accuracy is None else f"{accuracy:.3f}"  # None: no held-out problems (task.num_eval=0)
 
 
-def _check_run_dir(run_dir: Path, resume: bool) -> None:
+def _check_run_dir(run_dir: Path, resume: bool, writes: bool = True) -> None:
     """A new run never writes into a directory that already holds one: it would delete that run's metrics and mix
-    its checkpoints with the new ones (and ``keep_last`` could then prune the new run's). ``--resume`` continues it."""
+    its checkpoints with the new ones (and ``keep_last`` could then prune the new run's). ``--resume`` continues it.
+    A directory whose run stopped before logging a step (a bad reward function, an interrupted first evaluation)
+    holds only its config: nothing to lose and nothing to resume, so a new run may start there. The process that
+    writes the run (``writes``: rank 0) checks here, before the model loads, that the directory can be made and
+    written, so that a bad path fails at once; a directory it had to make for that is removed again (a config error
+    found later then leaves nothing behind)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise FileExistsError(f"run dir {run_dir} is a file; pass a directory path with --run-dir")
-    held = [name for name in ("config.yaml", "metrics.jsonl", "checkpoints") if (run_dir / name).exists()]
+    held = [name for name in ("metrics.jsonl", "checkpoints") if _non_empty(run_dir / name)]
     if held and not resume:
         raise FileExistsError(f"{run_dir} already holds a run ({', '.join(held)}): continue it with `jetrl train "
                               f"--run-dir {run_dir} --resume`, or start the new run in another --run-dir")
+    if not writes:
+        return
+    made = next((p for p in [*reversed(run_dir.parents), run_dir] if not p.exists()), None)  # the topmost new dir
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise OSError(f"run dir {run_dir} cannot be written ({e.strerror}): pass a writable path with "
+                      "--run-dir (or run_dir in the config)") from None
+    finally:
+        if made is not None and made.is_dir():
+            shutil.rmtree(made, ignore_errors=True)
+
+
+def _non_empty(path: Path) -> bool:
+    """A file with content, or a directory with an entry."""
+    if path.is_dir():
+        return any(path.iterdir())
+    return path.is_file() and path.stat().st_size > 0
 
 
 def _atomic_text(path: Path, text: str) -> None:

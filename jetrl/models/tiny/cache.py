@@ -126,7 +126,12 @@ def tiny_start_checkpoint(cache_dir: str | Path | None = None, *, seed: int = 0,
     final = tiny_start_dir(cache_dir, seed=seed, sft=sft)
     if not force and _is_complete(final, seed, cfg):
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=final.parent).close()
+    except OSError as e:
+        raise OSError(f"the tiny start's cache {final.parent} cannot be written ({e.strerror}): point JETRL_CACHE "
+                      "at a writable directory (unset, it is ~/.cache/jetrl)") from None
     _remove_stale_builds(final)
     print(f"jetrl: building the tiny start policy (SFT on synthetic addition, seed {seed}; ~2-3 min on 2 CPU "
           f"cores) into {final} ...", end=" ", flush=True)
