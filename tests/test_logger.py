@@ -95,3 +95,18 @@ def test_resume_drops_a_last_line_cut_short_and_names_a_damaged_one(tmp_path):
     path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl:2 is not a metrics line .*delete or repair that line"):
         MetricsLogger(tmp_path, total_steps=5, resume_step=2, tensorboard=False, progress=False)
+
+
+def test_a_message_never_shares_the_progress_line(tmp_path, capsys):
+    """The progress line (stderr) is printed without its newline until the last step; a message (a warning) ends it
+    first, so the two never run together."""
+    logger = MetricsLogger(tmp_path, total_steps=3, tensorboard=False)
+    logger.log(1, {"reward": 0.5})
+    logger.message("warning: something")
+    logger.message("and more")
+    logger.log(2, {"reward": 0.5})
+    logger.log(3, {"reward": 0.5})
+    logger.close()
+    out, err = capsys.readouterr()
+    assert out == "warning: something\nand more\n"
+    assert err.count("\n") == 2 and err.endswith("\n") and "step 1/3" in err.split("\n")[0]

@@ -272,3 +272,21 @@ def test_prompts_files_name_the_bad_line(tmp_path):
             return [ord(c) for c in text]
 
     assert encode_prompts(Chars(), prompts, raw=True) == [[49, 43, 49, 61], [50, 43, 51, 61]]
+
+
+def test_a_run_without_learning_signal_says_so_once():
+    """Five RL steps in a row whose groups all agree (zero advantages) give one warning naming the likely cause; a
+    step with signal resets the count."""
+    from jetrl.run.train import NO_SIGNAL_STEPS, no_signal_warning
+
+    flat = {"frac_reward_zero_std": 1.0, "reward": 0.0}
+    streak, said = 0, []
+    for metrics in [flat] * (NO_SIGNAL_STEPS - 1) + [{"frac_reward_zero_std": 0.5, "reward": 0.3}] + [flat] * 8:
+        streak, warning = no_signal_warning(streak, metrics, 8)
+        said.append(warning)
+    assert [i for i, w in enumerate(said) if w] == [NO_SIGNAL_STEPS * 2 - 1]  # the second streak reaches 5, once
+    assert "5 RL steps in a row had no learning signal" in said[-4] and "all 8 completions" in said[-4]
+    assert "check task.reward_funcs" in said[-4]
+    _, solved = no_signal_warning(NO_SIGNAL_STEPS - 1, {"frac_reward_zero_std": 1.0, "reward": 1.0}, 4)
+    _, mixed = no_signal_warning(NO_SIGNAL_STEPS - 1, {"frac_reward_zero_std": 1.0, "reward": 0.5}, 4)
+    assert "harder ones" in solved and "raise grpo.num_generations" in mixed

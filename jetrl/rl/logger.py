@@ -35,6 +35,7 @@ class MetricsLogger:
         elif self.path.exists():
             self.path.unlink()
         self.total_steps, self.progress = total_steps, progress
+        self._line_open = False  # a progress line was printed without its newline
         self.start, self.start_step = time.time(), resume_step
         self.tb = self.wandb = None
         if tensorboard:
@@ -87,6 +88,14 @@ class MetricsLogger:
         bar = "#" * int(20 * step / self.total_steps)
         print(f"\r[{bar:<20}] step {step}/{self.total_steps}  eta {eta:5.0f}s  " + "  ".join(parts),
               end="\n" if step == self.total_steps else "", file=sys.stderr, flush=True)
+        self._line_open = step != self.total_steps
+
+    def message(self, text: str) -> None:
+        """Print ``text`` (stdout) on a line of its own: an open progress line (stderr) is ended first."""
+        if self._line_open:
+            print(file=sys.stderr, flush=True)
+            self._line_open = False
+        print(text, flush=True)
 
     def close(self) -> None:
         if self.tb is not None:

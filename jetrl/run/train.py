@@ -153,11 +153,16 @@ def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str)
                            tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project, run_name=run_dir.name,
                            config=cfg.to_dict(), progress=cfg.progress) if main else None
 
+    no_signal = [0]  # RL steps in a row in which no group's rewards differed
+
     def on_step(step: int, metrics: dict[str, float]) -> None:
         if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.grpo.max_steps:
             metrics["eval/accuracy"] = held_out()
         if logger is not None:
             logger.log(step, metrics)
+        no_signal[0], warning = no_signal_warning(no_signal[0], metrics, cfg.grpo.num_generations)
+        if warning and logger is not None:
+            logger.message(warning)
         if (cfg.save_steps and step % cfg.save_steps == 0) or step == cfg.grpo.max_steps:
             replicas.check_in_sync(model, f"checkpoint of step {step}")
             replicas.gather_optimizer_state(trainer.optimizer)
@@ -197,6 +202,30 @@ def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str)
     _print_summary(result)
     print(json.dumps(result))
     return replicas.broadcast_object(result)
+
+
+NO_SIGNAL_STEPS = 5  # RL steps in a row without a learning signal before the run says so
+
+
+def no_signal_warning(streak: int, metrics: dict[str, float], group_size: int) -> tuple[int, str | None]:
+    """(the new streak, a warning or None) after an RL step with these ``metrics``. A GRPO group whose completions
+    all got the same reward has zero advantages, so a step in which every group did (``frac_reward_zero_std`` = 1)
+    trains nothing. A run that stays there is the commonest silent failure of RL on a new dataset -- a reward
+    function that never matches the data's answer format, or problems far too easy or too hard -- so after
+    ``NO_SIGNAL_STEPS`` such steps in a row the run says which, once per streak."""
+    if metrics.get("frac_reward_zero_std", 0.0) < 1.0:
+        return 0, None
+    streak += 1
+    if streak != NO_SIGNAL_STEPS:
+        return streak, None
+    reward = metrics.get("reward", float("nan"))
+    hint = ("check task.reward_funcs against the data's answers (`jetrl generate --model <run dir>` shows what the "
+            "model writes)" if reward <= 0 else
+            "the problems are solved every time: use harder ones" if reward >= 1 else
+            "the rewards agree within every group: raise grpo.num_generations or grpo.temperature")
+    return streak, (f"warning: {streak} RL steps in a row had no learning signal: in every group all "
+                    f"{group_size} completions got the same reward (mean {reward:.3f}), so every advantage is 0 "
+                    f"and nothing is learned; {hint}")
 
 
 def _quiet(*_: Any, **__: Any) -> None:
