@@ -290,3 +290,24 @@ def test_a_run_without_learning_signal_says_so_once():
     _, solved = no_signal_warning(NO_SIGNAL_STEPS - 1, {"frac_reward_zero_std": 1.0, "reward": 1.0}, 4)
     _, mixed = no_signal_warning(NO_SIGNAL_STEPS - 1, {"frac_reward_zero_std": 1.0, "reward": 0.5}, 4)
     assert "harder ones" in solved and "raise grpo.num_generations" in mixed
+
+
+def test_the_gsm8k_example_config_resolves():
+    """examples/gsm8k.yaml (README: your model, your data) is a valid config with the overrides its header shows,
+    and a GSM8K line of its data format scores a boxed completion against the gold answer after '####'."""
+    from pathlib import Path
+
+    from jetrl.data.records import make_record
+    from jetrl.rewards.registry import compute_rewards
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "gsm8k.yaml"
+    cfg = resolve_config(get_preset("default"), example, ["model.name=/models/Qwen3-1.7B",
+                                                          "task.path=data/gsm8k/train.jsonl"])
+    assert (cfg.recipe, cfg.model.dtype, cfg.task.source, cfg.grpo.loss_type) == ("jet", "bfloat16", "file", "dapo")
+    assert cfg.task.system_prompt.endswith("in \\boxed{}.") and cfg.grpo.generation_batch_size == 256
+    assert cfg.grpo.generation_batch_size // cfg.grpo.num_generations == 32  # as its comment says
+    record = make_record("Natalia sold 48 clips in April and half as many in May. How many in all?",
+                         "48 / 2 = 24 clips in May.\n48 + 24 = 72 clips.\n#### 72", "gsm8k")
+    rewards = compute_rewards(cfg.task.reward_funcs, ["She sold 24 in May, so \\boxed{72}.", "\\boxed{70}"],
+                              ground_truth=[record["ground_truth"]] * 2)
+    assert rewards == {"math": [1.0, 0.0]}
