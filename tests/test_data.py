@@ -287,6 +287,13 @@ def test_encode_prompts_with_chat_template(byte_tokenizer):
     # a record built in Python with a plain-string prompt (TRL's standard format) is one user message
     plain = encode_prompts([{"prompt": "2+2?", "ground_truth": "4"}], byte_tokenizer)[0]
     assert byte_tokenizer.decode(plain) == "<user>2+2?\n<assistant>"
+    # grpo.chat_template_kwargs reach the template (Qwen3's enable_thinking=False writes an empty think block)
+    byte_tokenizer.chat_template += ("{% if enable_thinking is defined and not enable_thinking %}<think></think>"
+                                     "{% endif %}")
+    record = [{"prompt": "2+2?", "ground_truth": "4"}]
+    assert byte_tokenizer.decode(encode_prompts(record, byte_tokenizer)[0]) == "<user>2+2?\n<assistant>"
+    quiet = encode_prompts(record, byte_tokenizer, template_kwargs={"enable_thinking": False})[0]
+    assert byte_tokenizer.decode(quiet) == "<user>2+2?\n<assistant><think></think>"
 
 
 def test_prompt_too_long_names_record_and_lengths(byte_tokenizer):

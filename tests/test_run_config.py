@@ -305,6 +305,7 @@ def test_the_gsm8k_example_config_resolves():
                                                           "task.path=data/gsm8k/train.jsonl"])
     assert (cfg.recipe, cfg.model.dtype, cfg.task.source, cfg.grpo.loss_type) == ("jet", "bfloat16", "file", "dapo")
     assert cfg.task.system_prompt.endswith("in \\boxed{}.") and cfg.grpo.generation_batch_size == 256
+    assert cfg.grpo.chat_template_kwargs == {"enable_thinking": False}
     assert cfg.grpo.generation_batch_size // cfg.grpo.num_generations == 32  # as its comment says
     record = make_record("Natalia sold 48 clips in April and half as many in May. How many in all?",
                          "48 / 2 = 24 clips in May.\n48 + 24 = 72 clips.\n#### 72", "gsm8k")

@@ -31,13 +31,15 @@ def with_system_prompt(messages: list[Message], system_prompt: str | None) -> li
     return [{"role": "system", "content": system_prompt}, *messages]
 
 
-def encode_prompt(messages: list[Message], tokenizer: Any, *, system_prompt: str | None = None) -> list[int]:
-    """Token ids of the chat-formatted prompt, ending with the assistant generation header."""
+def encode_prompt(messages: list[Message], tokenizer: Any, *, system_prompt: str | None = None,
+                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Token ids of the chat-formatted prompt, ending with the assistant generation header. ``template_kwargs``
+    reach the template (``grpo.chat_template_kwargs``, e.g. ``enable_thinking=False`` for Qwen3)."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"{type(tokenizer).__name__} has no chat_template: use an instruct/chat tokenizer "
                          "or set tokenizer.chat_template to a Jinja template")
     ids = tokenizer.apply_chat_template(with_system_prompt(messages, system_prompt), add_generation_prompt=True,
-                                        tokenize=True, return_dict=False)
+                                        tokenize=True, return_dict=False, **(template_kwargs or {}))
     return list(ids)
 
 
@@ -50,10 +52,12 @@ def check_prompt_lengths(prompt_ids: Sequence[Sequence[int]], max_prompt_length:
 
 
 def encode_prompts(records: Sequence[Record], tokenizer: Any, *, system_prompt: str | None = None,
-                   max_prompt_length: int | None = None) -> list[list[int]]:
+                   max_prompt_length: int | None = None,
+                   template_kwargs: dict[str, Any] | None = None) -> list[list[int]]:
     """Prompt ids of every record; checked against ``max_prompt_length`` when it is given. A record's prompt
     may be chat messages or a plain string (TRL's standard format), as the dataset loader takes it."""
-    prompt_ids = [encode_prompt(to_messages(r["prompt"]), tokenizer, system_prompt=system_prompt) for r in records]
+    prompt_ids = [encode_prompt(to_messages(r["prompt"]), tokenizer, system_prompt=system_prompt,
+                                template_kwargs=template_kwargs) for r in records]
     if max_prompt_length is not None:
         check_prompt_lengths(prompt_ids, max_prompt_length)
     return prompt_ids

@@ -48,6 +48,9 @@ class GRPOConfig:
                             "tempered distribution, softmax(logits / T), as TRL's")
     top_p: float = _f(1.0, "nucleus sampling mass of the rollout")
     top_k: int = _f(0, "top-k of the rollout (0 = off)")
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "keyword arguments of the tokenizer's chat template, for training and held-out prompts alike, as "
+                "TRL's: e.g. {enable_thinking: false} for Qwen3"})
     # --- update
     per_device_train_batch_size: int = _f(16, "completions per micro-batch, per data-parallel rank")
     gradient_accumulation_steps: int = _f(4, "micro-batches per optimizer step")
@@ -134,6 +137,9 @@ class GRPOConfig:
             (0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)"),
             (0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)"),
             (0 <= self.weight_decay < math.inf, "weight_decay", "must be >= 0 and finite"),
+            (isinstance(self.chat_template_kwargs, dict)
+             and all(isinstance(k, str) for k in self.chat_template_kwargs),
+             "chat_template_kwargs", "must be a mapping of keyword names to values, e.g. {enable_thinking: false}"),
             (self.reward_weights is None or (len(self.reward_weights) > 0 and all(
                 isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
                 for w in self.reward_weights)),

@@ -206,7 +206,7 @@ def _check_type(value: Any, hint: Any, path: str) -> Any:
     raise ValueError(f"config {path}={value!r} has the wrong type: expected {hint}")
 
 
-FREE_FORM = ("task.options",)  # mappings whose keys belong to another library: any key may be set
+FREE_FORM = ("task.options", "grpo.chat_template_kwargs")  # mappings whose keys belong to another library
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

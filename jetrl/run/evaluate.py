@@ -67,7 +67,8 @@ def evaluate_config(cfg: Any, model_name: str, *, num_samples: int | None = None
     model, tokenizer, path = load_model(model_name, cfg.model.dtype, recipe=cfg.recipe)
     _, records = load_task(cfg.task)
     prompt_ids = encode_prompts(records, tokenizer, system_prompt=cfg.task.system_prompt,
-                                max_prompt_length=cfg.grpo.max_prompt_length)
+                                max_prompt_length=cfg.grpo.max_prompt_length,
+                                template_kwargs=cfg.grpo.chat_template_kwargs)
     engine = Engine(model, tokenizer, max_slots=max(n, 64), max_len=cfg.grpo.max_prompt_length + cfg.grpo.max_completion_length)
     result = evaluate(engine, prompt_ids, records, max_tokens=cfg.grpo.max_completion_length, num_samples=n,
                       temperature=temp, seed=cfg.grpo.seed, correct_func=correctness_func(cfg.task.reward_funcs))

@@ -107,7 +107,8 @@ def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str)
                           recipe=cfg.recipe, system_prompt=cfg.task.system_prompt, accuracy_func=correct_func,
                           replicas=replicas)
     eval_ids = encode_prompts(eval_records, tokenizer, system_prompt=cfg.task.system_prompt,
-                              max_prompt_length=cfg.grpo.max_prompt_length)
+                              max_prompt_length=cfg.grpo.max_prompt_length,
+                              template_kwargs=cfg.grpo.chat_template_kwargs)
     cfg.run_dir = str(run_dir)
     say = print if main else _quiet
     if main:
