@@ -72,6 +72,8 @@ def test_task_options_reach_the_reasoning_gym_dataset(tmp_path):
         ("", ["grpo.reward_weights=[1, 1]"], "has 2 entries for the 1 reward function\\(s\\) of task.reward_funcs"),
         ("", ["task.path=/data/train.jsonl"], "task.path is read only with task.source='file'.*add task.source=file"),
         ("", ["task.name=chain_sum"], "task.name='chain_sum' names a task of .*set task.source"),
+        ("", ["grpo.chat_template_kwargs.tokenize=false"], "chat_template_kwargs=.*none of .*'tokenize'.*jetrl sets"),
+        ("", ["grpo.chat_template_kwargs=[1]"], "grpo.chat_template_kwargs=\\[1\\] has the wrong type"),
         ("", ["eval.temperature=.nan"], "eval.temperature=nan >= 0 and finite"),
         ("", ["threads=0"], "threads=0 must be >= 1"),
         ("", ["task.reward_funcs=[1]"], "task.reward_funcs=\\[1\\] must be names"),

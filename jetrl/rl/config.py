@@ -22,6 +22,8 @@ from typing import Any
 from jetrl.engine.sampling import GREEDY_BELOW
 from jetrl.rl.loss import LOSS_TYPES
 
+TEMPLATE_ARGUMENTS = {"conversation", "add_generation_prompt", "tokenize", "return_dict"}  # set by jetrl itself
+
 
 def _f(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
@@ -138,8 +140,10 @@ class GRPOConfig:
             (0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)"),
             (0 <= self.weight_decay < math.inf, "weight_decay", "must be >= 0 and finite"),
             (isinstance(self.chat_template_kwargs, dict)
-             and all(isinstance(k, str) for k in self.chat_template_kwargs),
-             "chat_template_kwargs", "must be a mapping of keyword names to values, e.g. {enable_thinking: false}"),
+             and all(isinstance(k, str) for k in self.chat_template_kwargs)
+             and not set(self.chat_template_kwargs) & TEMPLATE_ARGUMENTS,
+             "chat_template_kwargs", ("must be a mapping of keyword names to values, e.g. {enable_thinking: false}, "
+                                      f"none of {sorted(TEMPLATE_ARGUMENTS)} (jetrl sets those)")),
             (self.reward_weights is None or (len(self.reward_weights) > 0 and all(
                 isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
                 for w in self.reward_weights)),
