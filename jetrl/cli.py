@@ -66,6 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                     help="keyword arguments of the chat template, e.g. '{\"enable_thinking\": false}' (Qwen3)")
     gen.add_argument("--logprobs", action="store_true", help="print one JSON object per completion with logprobs")
 
     diag = sub.add_parser("diagnose", help="per-layer rollout-vs-trainer comparison on sampled completions")
@@ -162,11 +164,12 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from jetrl.run.generate import generate_main, read_prompts
+    from jetrl.run.generate import generate_main, read_prompts, template_kwargs_from_json
 
     generate_main(args.model, read_prompts(args.prompt, args.prompts_file), recipe=args.recipe, dtype=args.dtype,
                   n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, raw=args.raw, logprobs=args.logprobs)
+                  max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, raw=args.raw, logprobs=args.logprobs,
+                  template_kwargs=template_kwargs_from_json(args.chat_template_kwargs))
     return 0
 
 

@@ -274,6 +274,15 @@ def test_prompts_files_name_the_bad_line(tmp_path):
             return [ord(c) for c in text]
 
     assert encode_prompts(Chars(), prompts, raw=True) == [[49, 43, 49, 61], [50, 43, 51, 61]]
+    # --chat-template-kwargs: a JSON object, checked as grpo.chat_template_kwargs is
+    from jetrl.run.generate import template_kwargs_from_json
+
+    assert template_kwargs_from_json(None) == {}
+    assert template_kwargs_from_json('{"enable_thinking": false}') == {"enable_thinking": False}
+    for bad, match in (("{enable", "is not valid JSON"), ("[1]", "must be a JSON object"),
+                       ('{"add_generation_prompt": false}', "jetrl sets those")):
+        with pytest.raises(ValueError, match=match):
+            template_kwargs_from_json(bad)
 
 
 def test_a_run_without_learning_signal_says_so_once():

@@ -19,6 +19,7 @@ from jetrl.engine import Engine, SamplingParams
 from jetrl.engine.engine import check_context
 from jetrl.models.loader import load_config
 from jetrl.models.tokenizer import load_tokenizer
+from jetrl.rl.config import TEMPLATE_ARGUMENTS
 from jetrl.run.models import load_model, model_path
 
 
@@ -60,23 +61,41 @@ def read_prompts(prompts: list[str] | None, prompts_file: str | None) -> list[An
     return out
 
 
-def encode_prompts(tokenizer: Any, prompts: list[Any], raw: bool = False) -> list[list[int]]:
-    """Token ids of each prompt: through the tokenizer's chat template, or (``raw``) its text encoded as is."""
+def template_kwargs_from_json(text: str | None) -> dict[str, Any]:
+    """``--chat-template-kwargs``: a JSON object of the chat template's keyword arguments (``{}`` when not given),
+    checked as ``grpo.chat_template_kwargs`` is."""
+    if text is None:
+        return {}
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--chat-template-kwargs {text!r} is not valid JSON ({e.msg}); e.g. "
+                         "'{\"enable_thinking\": false}'") from None
+    if not isinstance(kwargs, dict) or set(kwargs) & TEMPLATE_ARGUMENTS:
+        raise ValueError(f"--chat-template-kwargs {text!r} must be a JSON object of keyword arguments, none of "
+                         f"{sorted(TEMPLATE_ARGUMENTS)} (jetrl sets those)")
+    return kwargs
+
+
+def encode_prompts(tokenizer: Any, prompts: list[Any], raw: bool = False,
+                   template_kwargs: dict[str, Any] | None = None) -> list[list[int]]:
+    """Token ids of each prompt: through the tokenizer's chat template (with ``template_kwargs``), or (``raw``) its
+    text encoded as is."""
     if raw:  # the text of a string, or of a message list's last message
         return [tokenizer.encode(p if isinstance(p, str) else to_messages(p)[-1]["content"]) for p in prompts]
-    return [tokenizer.apply_chat_template(to_messages(p)) for p in prompts]
+    return [tokenizer.apply_chat_template(to_messages(p), **(template_kwargs or {})) for p in prompts]
 
 
 def generate_main(model: str, prompts: list[Any], *, recipe: str = "jet", dtype: str = "float32", n: int = 1,
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, max_tokens: int = 128,
                   seed: int = 0, stop: list[str] | None = None, raw: bool = False, logprobs: bool = False,
-                  device: str | None = None) -> list[list[Any]]:
+                  device: str | None = None, template_kwargs: dict[str, Any] | None = None) -> list[list[Any]]:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                             seed=seed, stop=tuple(stop or ()))
     # the prompts and the model's context are checked before its weights load (the tokenizer and config.json only)
     path = model_path(model)
-    prompt_ids = encode_prompts(load_tokenizer(path), prompts, raw)
+    prompt_ids = encode_prompts(load_tokenizer(path), prompts, raw, template_kwargs)
     max_len = max(len(p) for p in prompt_ids) + max_tokens + 1
     check_context(prompt_ids, max_tokens, max_len, load_config(path).max_position_embeddings)
     net, tokenizer, _ = load_model(str(path), dtype, recipe=recipe, device=device)
