@@ -20,9 +20,10 @@ are still equal.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
-import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -266,9 +267,10 @@ def _check_run_dir(run_dir: Path, resume: bool, writes: bool = True) -> None:
     its checkpoints with the new ones (and ``keep_last`` could then prune the new run's). ``--resume`` continues it.
     A directory whose run stopped before logging a step (a bad reward function, an interrupted first evaluation)
     holds only its config: nothing to lose and nothing to resume, so a new run may start there. The process that
-    writes the run (``writes``: rank 0) checks here, before the model loads, that the directory can be made and
-    written, so that a bad path fails at once; a directory it had to make for that is removed again (a config error
-    found later then leaves nothing behind)."""
+    writes the run (``writes``: rank 0) checks here, before the model loads, that the directory -- or, before it
+    exists, its nearest existing parent -- takes a file, so that a bad path fails at once. It makes no directory
+    (another rank checking the same path at the same time must not see one come and go, and a config error found
+    later leaves nothing behind)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise FileExistsError(f"run dir {run_dir} is a file; pass a directory path with --run-dir")
     held = [name for name in ("metrics.jsonl", "checkpoints") if _non_empty(run_dir / name)]
@@ -277,18 +279,14 @@ def _check_run_dir(run_dir: Path, resume: bool, writes: bool = True) -> None:
                               f"--run-dir {run_dir} --resume`, or start the new run in another --run-dir")
     if not writes:
         return
-    made = next((p for p in [*reversed(run_dir.parents), run_dir] if not p.exists()), None)  # the topmost new dir
+    where = next(p for p in [run_dir, *run_dir.parents] if p.exists())  # the run dir or its nearest parent
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write-test-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
+        if not where.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, f"{where} is a file")
+        tempfile.TemporaryFile(dir=where).close()
     except OSError as e:
-        raise OSError(f"run dir {run_dir} cannot be written ({e.strerror}): pass a writable path with "
+        raise OSError(f"run dir {run_dir} cannot be written ({e.strerror} in {where}): pass a writable path with "
                       "--run-dir (or run_dir in the config)") from None
-    finally:
-        if made is not None and made.is_dir():
-            shutil.rmtree(made, ignore_errors=True)
 
 
 def _non_empty(path: Path) -> bool:
