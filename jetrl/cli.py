@@ -82,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     diag.add_argument("--max-tokens", type=int, default=32)
     diag.add_argument("--seed", type=int, default=0)
     diag.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    diag.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                      help="keyword arguments of the chat template, e.g. '{\"enable_thinking\": false}' (Qwen3)")
     diag.add_argument("--exact", action="store_true",
                       help="exact mode: batch-invariant kernels (jetrl/exact.py); every site should read 'equal'")
     diag.add_argument("--device", default=None, metavar="{cpu,cuda}",
@@ -175,12 +177,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _diagnose(args: argparse.Namespace) -> int:
     from jetrl.run.diagnose import diagnose_main
-    from jetrl.run.generate import read_prompts
+    from jetrl.run.generate import read_prompts, template_kwargs_from_json
 
     with use_exact() if args.exact else contextlib.nullcontext():
         diagnose_main(args.model, read_prompts(args.prompt, args.prompts_file), recipe=args.recipe, dtype=args.dtype,
                       n=args.n, temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, raw=args.raw,
-                      device=args.device)
+                      device=args.device, template_kwargs=template_kwargs_from_json(args.chat_template_kwargs))
     return 0
 
 

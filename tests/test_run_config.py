@@ -170,10 +170,21 @@ def test_a_run_dir_is_never_overwritten_and_a_copied_run_resumes_where_it_is(tmp
     proc = subprocess.run([sys.executable, "-m", "jetrl", "train", "--preset", "tiny", "--run-dir", str(file_dir)],
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 2 and "is a file" in proc.stderr and "Traceback" not in proc.stderr
-    # a run that stopped before logging a step left only its config (and an empty log): a new run may start there
+    # a config an older jetrl saved with settings it ignored (now rejected) is read back as the run ran
+    import yaml
+
     from jetrl.rl.checkpoint import resume_checkpoint
     from jetrl.run.train import _check_run_dir
 
+    older = tmp_path / "older"
+    older.mkdir()
+    data = yaml.safe_load(cfg.to_yaml())
+    data["task"].update(path="/data/x.jsonl", eval_path="/data/y.jsonl", name="chain_sum")
+    data["grpo"]["reward_weights"] = []
+    (older / "config.yaml").write_text(yaml.safe_dump(data))
+    back = load_run_config(older)
+    assert (back.task.path, back.task.eval_path, back.task.name, back.grpo.reward_weights) == (None, None, "+", None)
+    # a run that stopped before logging a step left only its config (and an empty log): a new run may start there
     stopped = tmp_path / "stopped"
     (stopped / "tensorboard").mkdir(parents=True)
     (stopped / "config.yaml").write_text(cfg.to_yaml())
@@ -297,10 +308,14 @@ def test_a_run_without_learning_signal_says_so_once():
         said.append(warning)
     assert [i for i, w in enumerate(said) if w] == [NO_SIGNAL_STEPS * 2 - 1]  # the second streak reaches 5, once
     assert "5 RL steps in a row had no learning signal" in said[-4] and "all 8 completions" in said[-4]
-    assert "check task.reward_funcs" in said[-4]
+    assert "no sample was correct" in said[-4] and "task.reward_funcs" in said[-4]
     _, solved = no_signal_warning(NO_SIGNAL_STEPS - 1, {"frac_reward_zero_std": 1.0, "reward": 1.0}, 4)
     _, mixed = no_signal_warning(NO_SIGNAL_STEPS - 1, {"frac_reward_zero_std": 1.0, "reward": 0.5}, 4)
-    assert "harder ones" in solved and "raise grpo.num_generations" in mixed
+    assert "harder problems" in solved and "raise grpo.num_generations" in mixed
+    # the cause comes from accuracy: a format reward of 1 with no correct answer is not "solved"
+    _, formatted = no_signal_warning(NO_SIGNAL_STEPS - 1, {"frac_reward_zero_std": 1.0, "reward": 1.0,
+                                                           "accuracy": 0.0}, 4, "/models/m")
+    assert "no sample was correct" in formatted and "jetrl generate --model /models/m" in formatted
 
 
 def test_the_gsm8k_example_config_resolves():
@@ -323,3 +338,29 @@ def test_the_gsm8k_example_config_resolves():
     rewards = compute_rewards(cfg.task.reward_funcs, ["She sold 24 in May, so \\boxed{72}.", "\\boxed{70}"],
                               ground_truth=[record["ground_truth"]] * 2)
     assert rewards == {"math": [1.0, 0.0]}
+
+
+def test_chat_template_failures_are_one_line():
+    """A chat template that raises (Jinja's errors, its raise_exception) or rejects a keyword is one ValueError naming
+    the chat_template_kwargs it was given; --raw with template kwargs is refused."""
+    from jetrl.data.chat import encode_prompts as encode_records
+    from jetrl.run.generate import encode_prompts
+
+    class Template:
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, **kwargs):
+            import jinja2
+
+            raise jinja2.TemplateError("boom")
+
+        def encode(self, text):
+            return [1]
+
+    with pytest.raises(ValueError, match=r"chat template failed with chat_template_kwargs=\{'a': 1\}: "
+                                         "TemplateError: boom"):
+        encode_records([{"prompt": "hi"}], Template(), template_kwargs={"a": 1})
+    with pytest.raises(ValueError, match="TemplateError: boom"):
+        encode_prompts(Template(), ["hi"], template_kwargs={"a": 1})
+    with pytest.raises(ValueError, match="no effect with --raw"):
+        encode_prompts(Template(), ["hi"], raw=True, template_kwargs={"a": 1})

@@ -14,7 +14,8 @@ crash the engine mid-run.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jetrl.data.records import Message, Record, to_messages
@@ -38,9 +39,23 @@ def encode_prompt(messages: list[Message], tokenizer: Any, *, system_prompt: str
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"{type(tokenizer).__name__} has no chat_template: use an instruct/chat tokenizer "
                          "or set tokenizer.chat_template to a Jinja template")
-    ids = tokenizer.apply_chat_template(with_system_prompt(messages, system_prompt), add_generation_prompt=True,
-                                        tokenize=True, return_dict=False, **(template_kwargs or {}))
+    with template_errors(template_kwargs):
+        ids = tokenizer.apply_chat_template(with_system_prompt(messages, system_prompt), add_generation_prompt=True,
+                                            tokenize=True, return_dict=False, **(template_kwargs or {}))
     return list(ids)
+
+
+@contextlib.contextmanager
+def template_errors(template_kwargs: dict[str, Any] | None) -> Iterator[None]:
+    """A chat template that fails (Jinja's own errors, or the template's ``raise_exception``) as one ValueError
+    naming the keyword arguments it was given, not a traceback from inside Jinja."""
+    try:
+        yield
+    except Exception as e:
+        if type(e).__module__.split(".")[0] != "jinja2" and not isinstance(e, TypeError):
+            raise  # jetrl's own errors (no template, a bad message) already read as one line
+        given = f" with chat_template_kwargs={template_kwargs}" if template_kwargs else ""
+        raise ValueError(f"the tokenizer's chat template failed{given}: {type(e).__name__}: {e}") from None
 
 
 def check_prompt_lengths(prompt_ids: Sequence[Sequence[int]], max_prompt_length: int) -> None:

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,19 @@ def _vllm_unmergeable(layers: dict) -> list[str]:
             if fqn.rsplit(".", 1)[-1] in VLLM_MERGED and m.weight.shape[0] % BLOCK]
 
 
+def unwritable(path: Path) -> str | None:
+    """Why a directory at ``path`` could not be written -- tried in it, or before it exists in its nearest existing
+    parent, with a temporary file and no directory made -- or None."""
+    where = next(p for p in [path, *path.parents] if p.exists())
+    if not where.is_dir():
+        return f"{where} is a file"
+    try:
+        tempfile.TemporaryFile(dir=where).close()
+    except OSError as e:
+        return f"{e.strerror} in {where}"
+    return None
+
+
 def export_checkpoint(
     run: str | Path, out_dir: str | Path, fmt: str, *, recipe: str | None = None, device: str = "cpu"
 ) -> dict[str, Any]:
@@ -207,10 +221,6 @@ def export_checkpoint(
     if out_dir.is_dir() and any(out_dir.iterdir()):  # a training checkpoint, a run dir, an earlier export: not ours
         raise CheckpointError(f"--out {out_dir} is not empty; export into a new or empty directory (delete {out_dir} "
                               "first to replace what it holds)")
-    try:  # before the model loads: a path that cannot be written fails at once
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise CheckpointError(f"--out {out_dir} cannot be created ({e.strerror}); pass a writable directory") from None
     fp8_src = read_fp8_quantization_config(src)
     if recipe is None and fp8_src is not None and fp8_src.get("jetrl_recipe"):
         recipe = fp8_src["jetrl_recipe"]  # re-export with the recipe the codes were made under
@@ -218,6 +228,9 @@ def export_checkpoint(
     load_recipe = recipe_obj if fmt == "fp8" or fp8_src is not None else None
     if fmt == "fp8" and load_recipe is None:
         load_recipe = get_recipe("jet")
+    problem = unwritable(out_dir)  # before the model loads: a path that cannot be written fails at once
+    if problem:
+        raise CheckpointError(f"--out {out_dir} cannot be written ({problem}); pass a writable directory")
     model, config = load_pretrained(src, dtype=_stored_dtype(src), device=device, recipe=load_recipe)
     summary = export_model(model, config, out_dir, fmt, recipe=load_recipe if fmt == "fp8" else None,
                            tokenizer_from=src)

@@ -22,7 +22,8 @@ from typing import Any
 from jetrl.engine.sampling import GREEDY_BELOW
 from jetrl.rl.loss import LOSS_TYPES
 
-TEMPLATE_ARGUMENTS = {"conversation", "add_generation_prompt", "tokenize", "return_dict"}  # set by jetrl itself
+TEMPLATE_ARGUMENTS = {"conversation", "messages", "add_generation_prompt", "continue_final_message", "tokenize",
+                      "return_dict"}  # chat_template_kwargs may not set these: jetrl sets them
 
 
 def _f(default: Any, help: str) -> Any:

@@ -69,7 +69,7 @@ class TaskConfig:
         if self.source == "tiny_adder" and self.name != "+":  # the default preset's source: a name without a source
             raise ValueError(f"task.name={self.name!r} names a task of task.source='synthetic' or 'reasoning_gym'; "
                              f"task.source={self.source!r} does not read it: set task.source (e.g. "
-                             "task.source=reasoning_gym for a reasoning-gym task)")
+                             "task.source=reasoning_gym for a reasoning-gym task), or task.name=+ to keep tiny_adder")
         if self.num_train < 1 or self.num_eval < 0:
             raise ValueError(f"task.num_train={self.num_train} must be >= 1 and task.num_eval={self.num_eval} >= 0")
         if not self.reward_funcs:

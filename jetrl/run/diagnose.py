@@ -21,7 +21,7 @@ from jetrl.run.models import load_model
 
 def diagnose_main(model: str, prompts: list[Any], *, recipe: str = "jet", dtype: str = "float32", n: int = 1,
                   temperature: float = 1.0, max_tokens: int = 32, seed: int = 0, raw: bool = False,
-                  device: str | None = None) -> dict:
+                  device: str | None = None, template_kwargs: dict[str, Any] | None = None) -> dict:
     if not temperature > 0:
         raise ValueError(f"--temperature {temperature}: the comparison scores the tokens at this temperature, which "
                          "must be > 0 (1.0 is the policy itself)")
@@ -33,7 +33,7 @@ def diagnose_main(model: str, prompts: list[Any], *, recipe: str = "jet", dtype:
         raise ValueError("--device cuda: this torch sees no CUDA GPU; use --device cpu")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     net, tokenizer, path = load_model(model, dtype, recipe=recipe, device=device)
-    prompt_ids = encode_prompts(tokenizer, prompts, raw)
+    prompt_ids = encode_prompts(tokenizer, prompts, raw, template_kwargs)
     engine = Engine(net, tokenizer, max_slots=n * len(prompt_ids),
                     max_len=max(len(p) for p in prompt_ids) + max_tokens + 1)
     groups = engine.generate(prompt_ids, SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, seed=seed))

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from jetrl.data.chat import template_errors
 from jetrl.data.records import to_messages
 from jetrl.engine import Engine, SamplingParams
 from jetrl.engine.engine import check_context
@@ -82,8 +83,11 @@ def encode_prompts(tokenizer: Any, prompts: list[Any], raw: bool = False,
     """Token ids of each prompt: through the tokenizer's chat template (with ``template_kwargs``), or (``raw``) its
     text encoded as is."""
     if raw:  # the text of a string, or of a message list's last message
+        if template_kwargs:
+            raise ValueError("--chat-template-kwargs has no effect with --raw (no chat template is applied); drop one")
         return [tokenizer.encode(p if isinstance(p, str) else to_messages(p)[-1]["content"]) for p in prompts]
-    return [tokenizer.apply_chat_template(to_messages(p), **(template_kwargs or {})) for p in prompts]
+    with template_errors(template_kwargs):
+        return [tokenizer.apply_chat_template(to_messages(p), **(template_kwargs or {})) for p in prompts]
 
 
 def generate_main(model: str, prompts: list[Any], *, recipe: str = "jet", dtype: str = "float32", n: int = 1,

@@ -20,10 +20,8 @@ are still equal.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ import yaml
 from jetrl.data import encode_prompts
 from jetrl.engine.sampling import prompt_seed
 from jetrl.exact import exact_requested, use_exact
+from jetrl.models.export import unwritable
 from jetrl.rewards import correctness_func, resolve_reward_funcs
 from jetrl.rl.checkpoint import load_trainer_state, resume_checkpoint, save_checkpoint
 from jetrl.rl.logger import MetricsLogger
@@ -60,9 +59,24 @@ def load_run_config(run_dir: str | Path) -> RunConfig:
                          "run, or start a new run") from err
     if not isinstance(data, dict):
         raise TypeError(f"{path} must hold the run's config as a mapping; restore it from a copy of the run")
+    _drop_ignored_settings(data)
     cfg = from_dict(RunConfig, data)
     cfg.run_dir = str(run_dir)
     return cfg
+
+
+def _drop_ignored_settings(data: dict[str, Any]) -> None:
+    """Settings an older jetrl accepted and ignored, which a config now rejects (jetrl/run/config.py): a run that
+    saved them trained without them, so its config is read back as it ran."""
+    task, grpo = data.get("task"), data.get("grpo")
+    if isinstance(task, dict):
+        if task.get("source") != "file":
+            task.pop("path", None)
+            task.pop("eval_path", None)
+        if task.get("source") == "tiny_adder":
+            task["name"] = "+"
+    if isinstance(grpo, dict) and grpo.get("reward_weights") == []:
+        grpo["reward_weights"] = None
 
 
 def run_training(cfg: RunConfig, *, resume: bool = False) -> dict[str, Any]:
@@ -162,7 +176,7 @@ def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str)
             metrics["eval/accuracy"] = held_out()
         if logger is not None:
             logger.log(step, metrics)
-        no_signal[0], warning = no_signal_warning(no_signal[0], metrics, cfg.grpo.num_generations)
+        no_signal[0], warning = no_signal_warning(no_signal[0], metrics, cfg.grpo.num_generations, cfg.model.name)
         if warning and logger is not None:
             logger.message(warning)
         if (cfg.save_steps and step % cfg.save_steps == 0) or step == cfg.grpo.max_steps:
@@ -209,25 +223,29 @@ def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str)
 NO_SIGNAL_STEPS = 5  # RL steps in a row without a learning signal before the run says so
 
 
-def no_signal_warning(streak: int, metrics: dict[str, float], group_size: int) -> tuple[int, str | None]:
+def no_signal_warning(streak: int, metrics: dict[str, float], group_size: int,
+                      model: str = "<model>") -> tuple[int, str | None]:
     """(the new streak, a warning or None) after an RL step with these ``metrics``. A GRPO group whose completions
     all got the same reward has zero advantages, so a step in which every group did (``frac_reward_zero_std`` = 1)
     trains nothing. A run that stays there is the commonest silent failure of RL on a new dataset -- a reward
     function that never matches the data's answer format, or problems far too easy or too hard -- so after
-    ``NO_SIGNAL_STEPS`` such steps in a row the run says which, once per streak."""
+    ``NO_SIGNAL_STEPS`` such steps in a row the run says which, once per streak. The cause is read from the
+    samples' ``accuracy`` (the task's correctness), not from the reward, which a format reward or partial credit
+    can lift without a single correct answer."""
     if metrics.get("frac_reward_zero_std", 0.0) < 1.0:
         return 0, None
     streak += 1
     if streak != NO_SIGNAL_STEPS:
         return streak, None
     reward = metrics.get("reward", float("nan"))
-    hint = ("check task.reward_funcs against the data's answers (`jetrl generate --model <run dir>` shows what the "
-            "model writes)" if reward <= 0 else
-            "the problems are solved every time: use harder ones" if reward >= 1 else
+    accuracy = metrics.get("accuracy", reward)
+    hint = (f"no sample was correct: compare what the model writes (`jetrl generate --model {model}`, with the "
+            "run's system prompt) with the data's answers and task.reward_funcs" if accuracy <= 0 else
+            "every sample was correct: use harder problems" if accuracy >= 1 else
             "the rewards agree within every group: raise grpo.num_generations or grpo.temperature")
     return streak, (f"warning: {streak} RL steps in a row had no learning signal: in every group all "
-                    f"{group_size} completions got the same reward (mean {reward:.3f}), so every advantage is 0 "
-                    f"and nothing is learned; {hint}")
+                    f"{group_size} completions got the same reward (mean {reward:.3f}, accuracy {accuracy:.3f}), "
+                    f"so every advantage is 0 and the policy gradient is 0; {hint}")
 
 
 def _quiet(*_: Any, **__: Any) -> None:
@@ -279,14 +297,10 @@ def _check_run_dir(run_dir: Path, resume: bool, writes: bool = True) -> None:
                               f"--run-dir {run_dir} --resume`, or start the new run in another --run-dir")
     if not writes:
         return
-    where = next(p for p in [run_dir, *run_dir.parents] if p.exists())  # the run dir or its nearest parent
-    try:
-        if not where.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, f"{where} is a file")
-        tempfile.TemporaryFile(dir=where).close()
-    except OSError as e:
-        raise OSError(f"run dir {run_dir} cannot be written ({e.strerror} in {where}): pass a writable path with "
-                      "--run-dir (or run_dir in the config)") from None
+    problem = unwritable(run_dir)
+    if problem:
+        raise OSError(f"run dir {run_dir} cannot be written ({problem}): pass a writable path with --run-dir (or "
+                      "run_dir in the config)")
 
 
 def _non_empty(path: Path) -> bool:
