@@ -35,7 +35,7 @@ import torch
 
 from jetrl.bench.models import free_device_memory, random_model
 from jetrl.bench.shapes import QWEN3_SHAPES, h200_config, smoke_config
-from jetrl.bench.synthetic import random_prompts, random_records
+from jetrl.bench.synthetic import batch_of_lengths, random_records
 from jetrl.bench.training import _time_phase, _trainer
 from jetrl.rl.batch import RolloutBatch
 from jetrl.rl.micro_batches import plan
@@ -48,11 +48,7 @@ def _env(name: str, default: int) -> int:
 
 def step_batch(rows: int, prompt: int, low: int, high: int, vocab: int, seed: int) -> RolloutBatch:
     gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(low, high + 1, (rows,), generator=gen).tolist()
-    completions = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
-    logprobs = [(-5 * torch.rand(n, generator=gen)).tolist() for n in lengths]
-    return RolloutBatch.build(random_prompts(rows, prompt, vocab, seed), completions, logprobs,
-                              torch.randn(rows, generator=gen), [True] * rows)
+    return batch_of_lengths(torch.randint(low, high + 1, (rows,), generator=gen).tolist(), prompt, vocab, gen, seed)
 
 
 def positions(batches: list[RolloutBatch], size: int, accum: int, graphs: TrainingGraphs) -> int:

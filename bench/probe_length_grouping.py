@@ -28,7 +28,7 @@ import torch
 import jetrl.rl.trainer as trainer_module
 from jetrl.bench.models import free_device_memory, random_model
 from jetrl.bench.shapes import QWEN3_SHAPES, h200_config, smoke_config
-from jetrl.bench.synthetic import random_prompts, random_records
+from jetrl.bench.synthetic import batch_of_lengths, random_records
 from jetrl.bench.training import _time_phase, _trainer
 from jetrl.rl.batch import RolloutBatch
 from jetrl.rl.micro_batches import padded_positions, plan
@@ -41,10 +41,7 @@ def _env(name: str, default: int) -> int:
 def spread_batch(rows: int, prompt: int, low: int, high: int, vocab: int) -> RolloutBatch:
     gen = torch.Generator().manual_seed(0)
     lengths = torch.linspace(low, high, rows).round().long()[torch.randperm(rows, generator=gen)].tolist()
-    completions = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
-    logprobs = [(-5 * torch.rand(n, generator=gen)).tolist() for n in lengths]
-    return RolloutBatch.build(random_prompts(rows, prompt, vocab, 0), completions, logprobs,
-                              torch.randn(rows, generator=gen), [True] * rows)
+    return batch_of_lengths(lengths, prompt, vocab, gen)
 
 
 ARMS = ("plain", "grouped", "packed")

@@ -143,3 +143,16 @@ def test_grouped_update_is_the_same_step(loss_type, recipe):
             assert error < 5e-2
     for key in ("ratio_mean", "clip_ratio/region_mean", "entropy"):  # token means: the grouping does not show
         assert plain[key] == pytest.approx(grouped[key], rel=1e-5, abs=1e-7), key
+
+
+def test_one_rl_step_plans_its_micro_batches_once():
+    """train_step plans the micro-batches once: the old-logprob pass and the update share them (the packing DP is
+    host work on every step)."""
+    import unittest.mock
+
+    import jetrl.rl.trainer as trainer_module
+
+    trainer = _trainer(True, "dapo", "bf16")
+    with unittest.mock.patch.object(trainer_module, "plan", wraps=plan) as planned:
+        trainer.train_step()
+    assert planned.call_count == 1 and trainer.optimizer_steps >= 1

@@ -61,6 +61,16 @@ def parity_reward(completions: list[str], **kwargs: Any) -> list[float]:
     return out
 
 
+def batch_of_lengths(lengths: list[int], prompt_len: int, vocab: int, gen: torch.Generator,
+                     seed: int = 0) -> RolloutBatch:
+    """A rollout batch of random tokens whose completions have these ``lengths`` (drawn from ``gen``, after whatever
+    chose the lengths), prompts of ``prompt_len`` tokens, logprobs in [-5, 0) and N(0, 1) advantages."""
+    completions = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+    logprobs = [(-5 * torch.rand(n, generator=gen)).tolist() for n in lengths]
+    return RolloutBatch.build(random_prompts(len(lengths), prompt_len, vocab, seed), completions, logprobs,
+                              torch.randn(len(lengths), generator=gen), [True] * len(lengths))
+
+
 def random_batch(num: int, prompt_len: int, completion_len: int, vocab: int, seed: int = 0) -> RolloutBatch:
     """A full-length rollout batch of random tokens, logprobs in [-5, 0) and N(0, 1) advantages."""
     gen = torch.Generator().manual_seed(seed)

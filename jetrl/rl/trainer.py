@@ -206,12 +206,13 @@ class GRPOTrainer:
                                         gather=replicas.gather if replicas.distributed else None,
                                         seeds=[prompt_seed(seed, i) for i in block])
         t1 = self._clock()
+        groups = None if batch is None else self._plan(batch)  # the old-logprob pass and the update share it
         if batch is not None:
             with oom_advice("old_logprobs", args, step, self.model, graphs):
-                self._old_logprobs(batch, metrics)
+                self._old_logprobs(batch, metrics, groups)
         t2 = self._clock()
         with oom_advice("update", args, step, self.model, graphs):
-            self._update(batch, metrics)  # every rank takes part, with or without a batch of its own
+            self._update(batch, metrics, groups)  # every rank takes part, with or without a batch of its own
         t3 = self._clock()
         self.step += 1
         metrics.update({
@@ -220,44 +221,56 @@ class GRPOTrainer:
         })
         return replicas.merge_metrics(metrics)
 
-    def _old_logprobs(self, batch: RolloutBatch, metrics: dict[str, float]) -> None:
+    def _old_logprobs(self, batch: RolloutBatch, metrics: dict[str, float],
+                      groups: list[list[torch.Tensor]] | None = None) -> None:
+        """Old (and reference) logprobs of ``batch``, over the update's micro-batches ``groups`` (planned here when
+        not given)."""
+        groups = self._plan(batch) if groups is None else groups
         if self.old_logprobs_source == "recompute":
             with torch.no_grad():
-                batch.old_logprobs = self._forward_logprobs(self.model, batch, self.graphed_hidden_states())
+                batch.old_logprobs = self._forward_logprobs(self.model, batch, groups, self.graphed_hidden_states())
             mask = batch.token_mask()
             metrics.update(with_weight(mismatch_metrics(batch.old_logprobs, batch.rollout_logprobs, mask),
                                        mismatch_weights(mask)))
         else:
             batch.old_logprobs = batch.rollout_logprobs.clone()
-        if self.ref_model is not None:
+        if self.ref_model is not None:  # eager: its own (packed) plan when the policy's layers are graphed
             with torch.no_grad():
-                batch.ref_logprobs = self._forward_logprobs(self.ref_model, batch)
+                batch.ref_logprobs = self._forward_logprobs(
+                    self.ref_model, batch, groups if self.train_graphs is None else self._plan(batch, pack=True))
 
-    def _forward_logprobs(self, model: nn.Module, batch: RolloutBatch,
+    def _forward_logprobs(self, model: nn.Module, batch: RolloutBatch, groups: list[list[torch.Tensor]],
                           hidden: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         out = torch.zeros(batch.completion_ids.shape)
-        for step in self._plan(batch, pack=hidden is None):
+        for step in groups:
             for rows in step:
                 part = completion_logprobs(model, batch.select(rows), self.args.temperature, hidden_states=hidden)[0]
                 out[rows, : part.shape[1]] = part.cpu()
         return out
 
-    def _plan(self, batch: RolloutBatch, pack: bool) -> list[list[torch.Tensor]]:
+    def _plan(self, batch: RolloutBatch, pack: bool | None = None) -> list[list[torch.Tensor]]:
         """The update's optimizer steps as micro-batches of row indices (micro_batches.py), packed when the layers run
-        eagerly (``pack``; with CUDA graphs each shape is a capture). The old-logprob pass runs the same micro-batches,
-        so the update's first pass repeats its forwards. ``bnpo`` (a per-micro-batch mean) keeps rollout order."""
+        eagerly (``pack``, by default: no training CUDA graphs, where each shape is a capture). The old-logprob pass
+        runs the same micro-batches, so the update's first pass repeats its forwards. ``bnpo`` (a per-micro-batch
+        mean) keeps rollout order."""
         args = self.args
+        pack = self.train_graphs is None if pack is None else pack
         return plan(batch.prompt_lengths + batch.completion_lengths, batch.completion_lengths,
                     args.per_device_train_batch_size, args.gradient_accumulation_steps,
                     args.group_by_length and args.loss_type != "bnpo", pack=pack)
 
-    def _update(self, batch: RolloutBatch | None, metrics: dict[str, float]) -> None:
-        """``num_iterations`` epochs of optimizer steps over the batch. Data parallel, every rank makes as many
-        optimizer steps as the rank with the most rows needs, each rank's losses weighted by the counts over all
-        ranks (replicas.py); ``batch`` is None on a rank whose groups dynamic sampling dropped entirely."""
+    def _update(self, batch: RolloutBatch | None, metrics: dict[str, float],
+                groups: list[list[torch.Tensor]] | None = None) -> None:
+        """``num_iterations`` epochs of optimizer steps over the batch, in the micro-batches ``groups`` (planned here
+        when not given). Data parallel, every rank makes as many optimizer steps as the rank with the most rows needs,
+        each rank's losses weighted by the counts over all ranks (replicas.py); ``batch`` is None on a rank whose
+        groups dynamic sampling dropped entirely."""
         args = self.args
         hidden = self.graphed_hidden_states()
-        groups = [] if batch is None else self._plan(batch, pack=hidden is None)
+        if batch is None:
+            groups = []
+        elif groups is None:
+            groups = self._plan(batch)
         steps = int(self.replicas.max([len(groups)])[0])
         if steps == 0:  # no rank kept a group
             return
