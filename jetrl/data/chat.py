@@ -39,14 +39,14 @@ def encode_prompt(messages: list[Message], tokenizer: Any, *, system_prompt: str
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"{type(tokenizer).__name__} has no chat_template: use an instruct/chat tokenizer "
                          "or set tokenizer.chat_template to a Jinja template")
-    with template_errors(template_kwargs):
+    with _template_errors(template_kwargs):
         ids = tokenizer.apply_chat_template(with_system_prompt(messages, system_prompt), add_generation_prompt=True,
                                             tokenize=True, return_dict=False, **(template_kwargs or {}))
     return list(ids)
 
 
 @contextlib.contextmanager
-def template_errors(template_kwargs: dict[str, Any] | None) -> Iterator[None]:
+def _template_errors(template_kwargs: dict[str, Any] | None) -> Iterator[None]:
     """A chat template that fails (Jinja's own errors, or the template's ``raise_exception``) as one ValueError
     naming the keyword arguments it was given, not a traceback from inside Jinja."""
     try:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from jetrl.data.chat import template_errors
+from jetrl.data.chat import encode_prompt
 from jetrl.data.records import to_messages
 from jetrl.engine import Engine, SamplingParams
 from jetrl.engine.engine import check_context
@@ -86,8 +86,7 @@ def encode_prompts(tokenizer: Any, prompts: list[Any], raw: bool = False,
         if template_kwargs:
             raise ValueError("--chat-template-kwargs has no effect with --raw (no chat template is applied); drop one")
         return [tokenizer.encode(p if isinstance(p, str) else to_messages(p)[-1]["content"]) for p in prompts]
-    with template_errors(template_kwargs):
-        return [tokenizer.apply_chat_template(to_messages(p), **(template_kwargs or {})) for p in prompts]
+    return [encode_prompt(to_messages(p), tokenizer, template_kwargs=template_kwargs) for p in prompts]
 
 
 def generate_main(model: str, prompts: list[Any], *, recipe: str = "jet", dtype: str = "float32", n: int = 1,
