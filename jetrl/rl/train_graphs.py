@@ -33,8 +33,8 @@ them) and was then 2-6% slower in steady state, computing its padding rows for n
 rows) the shapes outgrew the cache and a long run kept capturing (2 captures in 6 steps): padding was 1.01-1.10x in
 steady state and 1.20-1.22x over the first steps (14 captures down to 8). It is not on by default because it loses
 where the short shapes fit in the cache -- one count (measured), and likely with the old-logprob pass reused from
-the rollout (``jet``'s default: one shape per length, not two; not measured) -- and its cost grows as a rank's rollout batch shrinks toward one
-micro-batch: padding a lone micro-batch of 16 kept rows to 64 computes 4x the rows.
+the rollout (``jet``'s default: one shape per length, not two; not measured) -- and its cost grows as a rank's
+rollout batch shrinks toward one micro-batch: padding a lone micro-batch of 16 kept rows to 64 computes 4x the rows.
 
 What a replay cannot do, and how this file covers it:
 * **Weights.** The graph reads the FP8 weight caches' buffers (codes and scales of W, W^T, the stacked W_s
@@ -102,8 +102,11 @@ def auto_length_multiple(max_length: int) -> int:
     again at its next use, and micro-batches cycle through their lengths, so every one would pay a capture. 6
     lengths take 12 of the 16 shapes kept, leaving 4 for short last micro-batches (dynamic sampling: their row count
     can change from step to step, so those may still be captured again; ``row_multiple`` in the module docstring)."""
-    per_length = -(-max_length // AUTO_MAX_LENGTHS)
-    return max(DEFAULT_LENGTH_MULTIPLE, -(-per_length // DEFAULT_LENGTH_MULTIPLE) * DEFAULT_LENGTH_MULTIPLE)
+    return max(DEFAULT_LENGTH_MULTIPLE, _round_up(-(-max_length // AUTO_MAX_LENGTHS), DEFAULT_LENGTH_MULTIPLE))
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 class TrainingGraphs:
@@ -137,10 +140,10 @@ class TrainingGraphs:
         self.num_replays = 0
 
     def padded_length(self, length: int) -> int:
-        return -(-length // self.length_multiple) * self.length_multiple
+        return _round_up(length, self.length_multiple)
 
     def padded_rows(self, rows: int) -> int:
-        return -(-rows // self.row_multiple) * self.row_multiple
+        return _round_up(rows, self.row_multiple)
 
     def hidden_states(self, input_ids: Tensor) -> Tensor:
         """Final normed hidden states (B, L, H) of right-padded ``input_ids`` (B, L), as ``model.hidden_states``:
