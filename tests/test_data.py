@@ -141,7 +141,8 @@ def test_jsonl_round_trip_and_plain_format(tmp_path):
     plain.write_text(json.dumps({"question": "Q?", "answer": "so #### 72"}) + "\n\n"
                      + json.dumps({"prompt": [{"role": "user", "content": "P"}], "ground_truth": 3}) + "\n")
     a, b = load_records(plain)
-    assert a == {"prompt": [{"role": "user", "content": "Q?"}], "ground_truth": "so #### 72", "task": "gsm"}
+    assert a == {"prompt": [{"role": "user", "content": "Q?"}], "ground_truth": "so #### 72", "task": "gsm",
+                 "answer": "so #### 72"}  # the file's columns stay, for the reward functions (TRL)
     assert b["ground_truth"] == "3"
     # MATH / NuminaMath / open-r1 name the prompt "problem"; TRL's message content may be a list of text parts
     other = tmp_path / "math.jsonl"
@@ -157,6 +158,30 @@ def test_jsonl_round_trip_and_plain_format(tmp_path):
         load_records(other)
 
 
+def test_dataset_columns_reach_the_rewards_and_round_trip(tmp_path):
+    """A file's other columns stay in its records (JSON-safe) and come back as reward columns, None where a record
+    lacks one; the names the reward call uses are refused; parquet keeps columns that only some rows have."""
+    from jetrl.data.records import reward_columns
+
+    path = tmp_path / "levels.jsonl"
+    path.write_text(json.dumps({"question": "1+1?", "answer": "2", "level": 1}) + "\n"
+                    + json.dumps({"question": "2+2?", "answer": "4", "source": "x"}) + "\n")
+    records = load_records(path)
+    assert records[0]["level"] == 1 and "level" not in records[1] and records[1]["source"] == "x"
+    columns = reward_columns(records, repeat=2)
+    assert columns["level"] == [1, 1, None, None] and columns["source"] == [None, None, "x", "x"]
+    assert columns["answer"] == ["2", "2", "4", "4"] and columns["ground_truth"] == ["2", "2", "4", "4"]
+    assert columns["prompts"][2] == [{"role": "user", "content": "2+2?"}] and "question" not in columns
+    pytest.importorskip("pyarrow")
+    save_records(records, tmp_path / "levels.parquet")
+    back = load_records(tmp_path / "levels.parquet")
+    assert back[0]["level"] == 1 and back[1]["source"] == "x"
+    assert reward_columns(back)["level"] == [1, None]
+    path.write_text(json.dumps({"question": "1+1?", "answer": "2", "completions": "x"}) + "\n")
+    with pytest.raises(DatasetError, match=r"levels.jsonl:1: column 'completions' cannot reach the reward functions"):
+        load_records(path)
+
+
 VERL_ROW = {
     "data_source": "openai/gsm8k",
     "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
@@ -164,7 +189,8 @@ VERL_ROW = {
     "reward_model": {"style": "rule", "ground_truth": "4"},
     "extra_info": {"split": "train", "index": 0},
 }
-VERL_RECORD = {"prompt": VERL_ROW["prompt"], "ground_truth": "4", "task": "openai/gsm8k"}
+VERL_RECORD = {"prompt": VERL_ROW["prompt"], "ground_truth": "4", "task": "openai/gsm8k",
+               **{k: VERL_ROW[k] for k in ("data_source", "ability", "reward_model", "extra_info")}}
 
 
 def test_verl_format_jsonl(tmp_path):

@@ -137,6 +137,16 @@ def test_reward_that_raises_names_function_and_sample():
     assert isinstance(info.value.__cause__, ZeroDivisionError)
 
 
+def test_reward_gets_only_the_columns_it_names_without_kwargs():
+    def exact(completions, ground_truth):
+        return [float(c == g) for c, g in zip(completions, ground_truth)]
+
+    out = compute_rewards([exact], ["1", "2"], ground_truth=["1", "1"], level=[3, 4], prompts=["p", "q"])
+    assert out == {"exact": [1.0, 0.0]}
+    with pytest.raises(RewardError, match=r"'exact' raised on sample 0: TypeError: .*ground_truth"):
+        compute_rewards([exact], ["1"], level=[3])
+
+
 def test_reward_missing_column_fails_at_sample_0():
     with pytest.raises(RewardError, match=r"'math' raised on sample 0: ValueError: .*gold-answer column"):
         compute_rewards("math", [r"\boxed{1}"])

@@ -299,23 +299,32 @@ def test_prompts_files_name_the_bad_line(tmp_path):
 def test_a_run_without_learning_signal_says_so_once():
     """Five RL steps in a row whose groups all agree (zero advantages) give one warning naming the likely cause; a
     step with signal resets the count."""
-    from jetrl.run.train import NO_SIGNAL_STEPS, no_signal_warning
+    from jetrl.run.train import NO_SIGNAL_STEPS, SignalWatch
+
+    def last_warning(*steps, model="<model>", learning_rate=None):
+        watch = SignalWatch(4, model, learning_rate)
+        return [watch.update(i + 1, metrics) for i, metrics in enumerate(steps)][-1]
 
     flat = {"frac_reward_zero_std": 1.0, "reward": 0.0}
-    streak, said = 0, []
-    for metrics in [flat] * (NO_SIGNAL_STEPS - 1) + [{"frac_reward_zero_std": 0.5, "reward": 0.3}] + [flat] * 8:
-        streak, warning = no_signal_warning(streak, metrics, 8)
-        said.append(warning)
+    watch, said = SignalWatch(8), []
+    for step, metrics in enumerate([flat] * (NO_SIGNAL_STEPS - 1) + [{"frac_reward_zero_std": 0.5, "reward": 0.05}]
+                                   + [flat] * 8, start=1):
+        said.append(watch.update(step, metrics))
     assert [i for i, w in enumerate(said) if w] == [NO_SIGNAL_STEPS * 2 - 1]  # the second streak reaches 5, once
     assert "5 RL steps in a row had no learning signal" in said[-4] and "all 8 completions" in said[-4]
     assert "no sample was correct" in said[-4] and "task.reward_funcs" in said[-4]
-    _, solved = no_signal_warning(NO_SIGNAL_STEPS - 1, {"frac_reward_zero_std": 1.0, "reward": 1.0}, 4)
-    _, mixed = no_signal_warning(NO_SIGNAL_STEPS - 1, {"frac_reward_zero_std": 1.0, "reward": 0.5}, 4)
+    solved = last_warning(*[{"frac_reward_zero_std": 1.0, "reward": 1.0}] * NO_SIGNAL_STEPS)
+    mixed = last_warning(*[{"frac_reward_zero_std": 1.0, "reward": 0.5}] * NO_SIGNAL_STEPS)
     assert "harder problems" in solved and "raise grpo.num_generations" in mixed
     # the cause comes from accuracy: a format reward of 1 with no correct answer is not "solved"
-    _, formatted = no_signal_warning(NO_SIGNAL_STEPS - 1, {"frac_reward_zero_std": 1.0, "reward": 1.0,
-                                                           "accuracy": 0.0}, 4, "/models/m")
+    formatted = last_warning(*[{"frac_reward_zero_std": 1.0, "reward": 1.0, "accuracy": 0.0}] * NO_SIGNAL_STEPS,
+                             model="/models/m")
     assert "no sample was correct" in formatted and "jetrl generate --model /models/m" in formatted
+    # all wrong after a step that was often right: training broke the policy (grpo.learning_rate=1 on the default)
+    collapsed = last_warning({"frac_reward_zero_std": 0.5, "reward": 0.16, "accuracy": 0.16},
+                             *[{"frac_reward_zero_std": 1.0, "reward": 0.0, "accuracy": 0.0}] * NO_SIGNAL_STEPS,
+                             learning_rate=1.0)
+    assert "the policy collapsed: accuracy was 0.160 at step 1" in collapsed and "grpo.learning_rate=1)" in collapsed
 
 
 def test_the_gsm8k_example_config_resolves():

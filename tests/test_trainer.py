@@ -196,6 +196,36 @@ def test_reward_function_that_raises_names_itself():
         trainer.train_step()
 
 
+def test_reward_functions_get_the_datasets_columns_as_trl_passes_them():
+    """Every column of a record reaches a ``**kwargs`` reward function per completion, with ``prompts`` and
+    ``completion_ids``; a function without ``**kwargs`` gets only the columns it names."""
+    seen = {}
+
+    def by_level(completions, **kwargs):
+        seen.update(kwargs)
+        return [float(level) for level in kwargs["level"]]
+
+    def plain(completions, ground_truth):
+        return [0.0] * len(completions)
+
+    torch.manual_seed(0)
+    train, _ = synthetic_split(16, 0, 0)
+    train = [{**r, "level": i % 3} for i, r in enumerate(train)]
+    args = GRPOConfig(**{**ARGS, "max_steps": 1})
+    trainer = GRPOTrainer(CausalLM(tiny_model_config()), [by_level, plain], args, train,
+                          tokenizer=Tokenizer(build_tiny_tokenizer()))
+    metrics = trainer.train_step()
+    n = len(seen["level"])
+    assert n == args.generation_batch_size and len(set(seen["level"])) > 1
+    assert {"prompts", "completion_ids", "ground_truth", "task", "metadata", "level"} <= set(seen)
+    assert all(len(column) == n for column in seen.values())
+    record_of = {str(r["prompt"]): r for r in train}  # each completion's columns are its own prompt's record's
+    assert all(seen["level"][i] == record_of[str(seen["prompts"][i])]["level"] for i in range(n))
+    assert all(seen["ground_truth"][i] == record_of[str(seen["prompts"][i])]["ground_truth"] for i in range(n))
+    assert all(isinstance(t, int) for ids in seen["completion_ids"] for t in ids)
+    assert metrics["rewards/by_level/mean"] == sum(seen["level"]) / n and metrics["rewards/plain/mean"] == 0.0
+
+
 def test_prompt_longer_than_context_fails_at_start():
     with pytest.raises(PromptTooLongError, match="longer than max_prompt_length=8"):
         _trainer(max_prompt_length=8)
@@ -313,6 +343,24 @@ def test_generate_checks_the_context_before_the_weights_load(random_checkpoint, 
     context = tiny_model_config().max_position_embeddings
     with pytest.raises(ValueError, match=rf"more than the model's context of {context}"):
         generate.generate_main(str(random_checkpoint), ["What is 1 + 2?"], max_tokens=context)
+
+
+def test_train_checks_the_prompts_before_the_weights_load(random_checkpoint, tmp_path, monkeypatch):
+    """`jetrl train` encodes its prompts (chat template, length limit) with the tokenizer alone: a prompt too long
+    is one error before the weights load, not after."""
+    from jetrl.run import train
+    from jetrl.run.config import resolve_config
+    from jetrl.run.presets import get_preset
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the prompts were checked")
+
+    monkeypatch.setattr(train, "load_model", no_weights)
+    cfg = resolve_config(get_preset("tiny"), overrides=[f"model.name={random_checkpoint}", "task.source=synthetic",
+                                                        "task.num_train=8", "task.num_eval=2",
+                                                        "grpo.max_prompt_length=8", f"run_dir={tmp_path / 'run'}"])
+    with pytest.raises(PromptTooLongError, match="longer than max_prompt_length=8"):
+        train.run_training(cfg)
 
 
 def test_generate_and_eval_commands(random_checkpoint, tmp_path):

@@ -9,9 +9,10 @@ one of two shapes, both normalized to the record schema (``records.py``):
 
 The gold answer is looked up in that order; ``task`` is ``task``, else ``data_source``, else
 the file's stem. A ``metadata`` dict (or its JSON string, as ``save_records`` writes it to
-parquet) is kept. ``.json`` files may hold a JSON array or JSON lines. Parquet is read with
-pyarrow (pandas as a fallback), imported only when a parquet file is read. Every problem with
-the file is one ``DatasetError`` line naming the file and, for jsonl, the line number.
+parquet) is kept, and so is every other column, for the reward functions (records.py).
+``.json`` files may hold a JSON array or JSON lines. Parquet is read with pyarrow (pandas as a
+fallback), imported only when a parquet file is read. Every problem with the file is one
+``DatasetError`` line naming the file and, for jsonl, the line number.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jetrl.data.records import Record, json_safe, make_record
+from jetrl.data.records import RECORD_KEYS, Record, json_safe, make_record
 
 GOLD_KEYS = ("reward_model.ground_truth", "ground_truth", "answer", "solution")
 PROMPT_KEYS = ("prompt", "question", "problem")  # "problem": MATH, NuminaMath, open-r1
@@ -43,11 +44,16 @@ def _lookup(raw: Mapping[str, Any], dotted: str) -> Any:
 
 
 def _first(raw: Mapping[str, Any], keys: Sequence[str]) -> Any:
+    return _first_item(raw, keys)[1]
+
+
+def _first_item(raw: Mapping[str, Any], keys: Sequence[str]) -> tuple[str | None, Any]:
+    """(key, value) of the first of ``keys`` whose value is set (not None, not blank), else (None, None)."""
     for key in keys:
         value = _lookup(raw, key)
         if value is not None and not (isinstance(value, str) and not value.strip()):
-            return value
-    return None
+            return key, value
+    return None, None
 
 
 def normalize_record(raw: Any, *, where: str, default_task: str, require_answer: bool = True) -> Record:
@@ -55,7 +61,7 @@ def normalize_record(raw: Any, *, where: str, default_task: str, require_answer:
     ``require_answer=False`` keeps a row without a gold answer (records.py: a task scored without one)."""
     if not isinstance(raw, Mapping):
         raise DatasetError(f"{where}: expected a JSON object, got {type(raw).__name__}")
-    prompt = _first(raw, PROMPT_KEYS)
+    prompt_key, prompt = _first_item(raw, PROMPT_KEYS)
     if prompt is None:
         raise DatasetError(f"{where}: record has no prompt; expected one of {', '.join(PROMPT_KEYS)}")
     gold = _first(raw, GOLD_KEYS)
@@ -70,9 +76,10 @@ def normalize_record(raw: Any, *, where: str, default_task: str, require_answer:
         except json.JSONDecodeError as e:
             raise DatasetError(f"{where}: metadata is a string but not JSON: {e.msg}") from None
     task = _first(raw, ("task", "data_source")) or default_task
+    columns = {k: v for k, v in raw.items() if k != prompt_key and k not in RECORD_KEYS}
     try:
         return make_record(prompt, gold, task, metadata if isinstance(metadata, Mapping) else None,
-                           require_answer=require_answer)
+                           require_answer=require_answer, columns=columns)
     except ValueError as e:
         raise DatasetError(f"{where}: {e}") from None
 
@@ -168,10 +175,11 @@ def save_records(records: Sequence[Record], path: str | Path) -> None:
         except ImportError:
             raise DatasetError(f"{path}: writing parquet needs pyarrow: pip install pyarrow") from None
         # Per-row metadata dicts differ in keys and types; a JSON string keeps one column type.
-        # Every row gets the column ("null" when absent): pyarrow takes column names from row 0.
-        rows = list(records)
-        if any("metadata" in r for r in rows):
-            rows = [{**r, "metadata": json.dumps(json_safe(r.get("metadata")))} for r in rows]
+        # Every row gets every column (metadata "null", others None when absent): pyarrow takes names from row 0.
+        names = list(dict.fromkeys(key for r in records for key in r))
+        rows = [{key: r.get(key) for key in names} for r in records]
+        if "metadata" in names:
+            rows = [{**r, "metadata": json.dumps(json_safe(r["metadata"]))} for r in rows]
         pq.write_table(pa.Table.from_pylist(rows), path)
     else:
         raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl, .json or .parquet")

@@ -12,6 +12,12 @@ problem came from reasoning-gym, the synthetic generator or a user's verl parque
 tokenizer's chat template is the only place prompts are formatted. ``ground_truth`` and ``task``
 reach the reward functions as TRL dataset columns of the same names.
 
+Any other key is a dataset column of the user's file (``level``, verl's ``extra_info``, ...), kept
+JSON-safe. As in TRL, every column reaches the reward functions as a keyword argument of that name,
+one value per completion (None for a record without it), next to ``prompts`` (each completion's
+prompt messages) and ``completion_ids`` (``reward_columns``). A column cannot take one of
+``RESERVED_COLUMNS``: the reward call itself uses them.
+
 (*) or None, only for a reasoning-gym task whose scorer checks an answer against the problem itself
 (graph_color, rush_hour, ...; ``make_record(..., require_answer=False)``): the reward that can score
 it is that scorer, which the run's task config then has to use (jetrl/run/tasks.py checks it).
@@ -69,9 +75,16 @@ def json_safe(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
+RECORD_KEYS = ("prompt", "ground_truth", "task", "metadata")
+# what a reward function is called with besides the columns (``reward_columns``; TRL's names)
+RESERVED_COLUMNS = (*RECORD_KEYS, "completions", "prompts", "completion_ids")
+
+
 def make_record(prompt: str | Sequence[Mapping[str, Any]], ground_truth: Any, task: str,
-                metadata: Mapping[str, Any] | None = None, *, require_answer: bool = True) -> Record:
-    """A validated record (see the module docstring); ``require_answer=False`` lets ``ground_truth`` be None."""
+                metadata: Mapping[str, Any] | None = None, *, require_answer: bool = True,
+                columns: Mapping[str, Any] | None = None) -> Record:
+    """A validated record (see the module docstring); ``require_answer=False`` lets ``ground_truth`` be None;
+    ``columns``: the dataset's other columns, passed to the reward functions by name."""
     if ground_truth is None and not require_answer:
         gold = None
     elif ground_truth is None or (isinstance(ground_truth, str) and not ground_truth.strip()):
@@ -85,4 +98,20 @@ def make_record(prompt: str | Sequence[Mapping[str, Any]], ground_truth: Any, ta
     record: Record = {"prompt": to_messages(prompt), "ground_truth": gold, "task": str(task)}
     if metadata:
         record["metadata"] = json_safe(dict(metadata))
+    for name, value in (columns or {}).items():
+        if not isinstance(name, str) or name in RESERVED_COLUMNS:
+            raise ValueError(f"column {name!r} cannot reach the reward functions under its name (the reward call "
+                             "uses it); rename it in the dataset")
+        record[name] = json_safe(value)
     return record
+
+
+def reward_columns(records: Sequence[Record], repeat: int = 1) -> dict[str, list[Any]]:
+    """The keyword arguments a reward function gets for ``records``, each record's values repeated ``repeat``
+    times (its completions): ``prompts`` (the chat messages), ``ground_truth``, ``task``, ``metadata`` and every
+    other column any record holds (None where a record lacks it). TRL passes the same: all dataset columns."""
+    names = ["ground_truth", "task", "metadata"]
+    names += sorted({key for record in records for key in record if key not in RECORD_KEYS})
+    columns = {"prompts": [record.get("prompt") for record in records for _ in range(repeat)]}
+    columns.update({name: [record.get(name) for record in records for _ in range(repeat)] for name in names})
+    return columns

@@ -6,12 +6,14 @@ the function and the first sample it fails on (found by re-calling it one sample
 with the original exception chained, and checks that it returned one number per completion.
 ``None`` in a reward list means "not applicable to this sample" (TRL's convention) and becomes
 NaN. Signatures follow TRL: ``fn(completions, **columns) -> list[float]``, where each column
-is a list aligned with ``completions``.
+is a list aligned with ``completions``. A function without ``**kwargs`` gets only the columns it
+names, so ``def reward(completions, ground_truth)`` works whatever else the dataset holds.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -118,6 +120,20 @@ def _to_floats(name: str, rewards: Any, n: int) -> list[float]:
     return out
 
 
+def accepted_columns(fn: RewardFunc, columns: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``columns`` that ``fn`` takes: all of them if it has ``**kwargs`` (TRL's convention) or no signature
+    Python can read, else those it names."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return dict(columns)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return dict(columns)
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    named = {p.name for p in params if p.kind in by_name}
+    return {k: v for k, v in columns.items() if k in named}
+
+
 def compute_rewards(funcs: str | RewardFunc | Sequence[str | RewardFunc] | Mapping[str, RewardFunc],
                     completions: list, **columns: Any) -> dict[str, list[float]]:
     """Call every reward function on the batch: ``{name: [reward per completion]}``."""
@@ -127,10 +143,11 @@ def compute_rewards(funcs: str | RewardFunc | Sequence[str | RewardFunc] | Mappi
             raise ValueError(f"column {key!r} has {len(value)} values for {n} completions")
     results = {}
     for name, fn in resolve_reward_funcs(funcs).items():
+        taken = accepted_columns(fn, columns)
         try:
-            rewards = fn(completions, **columns)
+            rewards = fn(completions, **taken)
         except Exception as e:
-            i = _first_failing_sample(fn, completions, columns)
+            i = _first_failing_sample(fn, completions, taken)
             where = f"sample {i}" if i is not None else "the batch (no single sample fails alone)"
             raise RewardError(f"reward function {name!r} raised on {where}: {type(e).__name__}: {e}") from e
         results[name] = _to_floats(name, rewards, n)

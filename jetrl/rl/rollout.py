@@ -1,7 +1,7 @@
 """One rollout: sample groups with the engine, score them, turn them into a training batch.
 
     completions   engine.generate(prompts, n = G)           the trainer's own modules, rollout phase
-    rewards       r_i = sum_f w_f * reward_f(completion_i)  TRL signature, NaN -> error
+    rewards       r_i = sum_f w_f * reward_f(completion_i)  TRL signature and columns, NaN -> error
     overlong      DAPO: truncated completions get no loss (``mask_truncated_completions``), or
                   the soft penalty  -factor * (L_c - (L_max - L_buf)) / L_buf  over the last L_buf tokens
     advantages    group-normalized (advantages.py)
@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 
+from jetrl.data.records import reward_columns
 from jetrl.engine import Engine, SamplingParams
 from jetrl.rewards import compute_rewards, is_correct
+from jetrl.rewards.registry import accepted_columns
 from jetrl.rl.advantages import group_advantages, zero_signal_groups
 from jetrl.rl.batch import RolloutBatch
 from jetrl.rl.config import GRPOConfig
@@ -38,7 +40,7 @@ def rollout(engine: Engine, prompt_ids: list[list[int]], records: list[dict[str,
     groups = engine.generate(prompt_ids, params, seeds=seeds)
     completions = [c for group in groups for c in group]
     texts = [c.text if c.text is not None else "" for c in completions]
-    columns = {key: [r.get(key) for r in records for _ in range(G)] for key in ("ground_truth", "task", "metadata")}
+    columns = reward_columns(records, G) | {"completion_ids": [list(c.token_ids) for c in completions]}
     per_func = compute_rewards(reward_funcs, texts, **columns)
     weights = args.reward_weights or [1.0] * len(per_func)
     if len(weights) != len(per_func):
@@ -75,7 +77,7 @@ def rollout(engine: Engine, prompt_ids: list[list[int]], records: list[dict[str,
     for name, values in per_func.items():
         metrics[f"rewards/{name}/mean"] = sum(values) / len(values)
     if accuracy_func is not None:
-        correct = accuracy_func(texts, **columns)
+        correct = accuracy_func(texts, **accepted_columns(accuracy_func, columns))
         metrics["accuracy"] = sum(is_correct(r) for r in correct) / len(correct)
     if not keep.any():
         return None, metrics, texts

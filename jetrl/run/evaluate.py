@@ -17,8 +17,10 @@ from collections.abc import Callable
 from math import comb
 from typing import Any
 
+from jetrl.data.records import reward_columns
 from jetrl.engine import Engine, SamplingParams
 from jetrl.rewards import correctness_func, is_correct, math_reward
+from jetrl.rewards.registry import accepted_columns
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -40,8 +42,8 @@ def evaluate(engine: Engine, prompt_ids: list[list[int]], records: list[dict[str
     pass1 = passk = length = 0.0
     for record, group in zip(records, groups):
         texts = [c.text or "" for c in group]
-        correct = correct_func(texts, ground_truth=[record["ground_truth"]] * len(texts),
-                               task=[record.get("task")] * len(texts), metadata=[record.get("metadata")] * len(texts))
+        columns = reward_columns([record], len(texts)) | {"completion_ids": [list(c.token_ids) for c in group]}
+        correct = correct_func(texts, **accepted_columns(correct_func, columns))
         c = sum(1 for r in correct if is_correct(r))
         pass1 += c / num_samples
         passk += pass_at_k(num_samples, c, num_samples)

@@ -48,8 +48,9 @@ def pinned_model_name(name: str, source: Path) -> str:
 
 
 def load_model(name: str, dtype: str = "float32", recipe: str | None = None,
-               device: str | torch.device = "cpu") -> tuple[nn.Module, Any, Path]:
-    """(model, tokenizer, checkpoint dir) for a model name; ``recipe`` converts the model."""
+               device: str | torch.device = "cpu", tokenizer: Any = None) -> tuple[nn.Module, Any, Path]:
+    """(model, tokenizer, checkpoint dir) for a model name; ``recipe`` converts the model; ``tokenizer``: the
+    checkpoint's, already loaded (``load_tokenizer(model_path(name))``)."""
     from jetrl.models import load_pretrained
     from jetrl.models.tokenizer import load_tokenizer
 
@@ -57,4 +58,4 @@ def load_model(name: str, dtype: str = "float32", recipe: str | None = None,
         raise ValueError(f"dtype {dtype!r} must be one of {list(DTYPES)}")
     path = model_path(name)
     model, _ = load_pretrained(path, dtype=DTYPES[dtype], device=device, recipe=recipe)
-    return model, load_tokenizer(path), path
+    return model, tokenizer if tokenizer is not None else load_tokenizer(path), path

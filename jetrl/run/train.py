@@ -23,6 +23,8 @@ import contextlib
 import json
 import os
 import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ from jetrl.data import encode_prompts
 from jetrl.engine.sampling import prompt_seed
 from jetrl.exact import exact_requested, use_exact
 from jetrl.models.export import unwritable
+from jetrl.models.tokenizer import load_tokenizer
 from jetrl.rewards import correctness_func, resolve_reward_funcs
 from jetrl.rl.checkpoint import load_trainer_state, resume_checkpoint, save_checkpoint
 from jetrl.rl.logger import MetricsLogger
@@ -110,8 +113,13 @@ def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device={cfg.device!r} but this torch sees no CUDA GPU; use device=auto or device=cpu")
     with replicas.main_first():  # rank 0 builds a built-in start's cache (the others wait), then all load it
-        model_path(cfg.model.name)
-    model, tokenizer, source = load_model(cfg.model.name, cfg.model.dtype, recipe=cfg.recipe, device=device)
+        tokenizer = load_tokenizer(model_path(cfg.model.name))
+    # the prompts through the chat template and the length limit: a template or data error before the model loads
+    encode = partial(encode_prompts, tokenizer=tokenizer, system_prompt=cfg.task.system_prompt,
+                     max_prompt_length=cfg.grpo.max_prompt_length, template_kwargs=cfg.grpo.chat_template_kwargs)
+    train_ids, eval_ids = encode(train_records), encode(eval_records)
+    model, tokenizer, source = load_model(cfg.model.name, cfg.model.dtype, recipe=cfg.recipe, device=device,
+                                          tokenizer=tokenizer)
     replicas.check_in_sync(model, "after loading the model")
     if not resume:
         # a directory is recorded as the checkpoint it resolved to: another run's `latest` moves on, and a resume
@@ -120,10 +128,7 @@ def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str)
     correct_func = correctness_func(cfg.task.reward_funcs)
     trainer = GRPOTrainer(model, cfg.task.reward_funcs, cfg.grpo, train_records, tokenizer=tokenizer,
                           recipe=cfg.recipe, system_prompt=cfg.task.system_prompt, accuracy_func=correct_func,
-                          replicas=replicas)
-    eval_ids = encode_prompts(eval_records, tokenizer, system_prompt=cfg.task.system_prompt,
-                              max_prompt_length=cfg.grpo.max_prompt_length,
-                              template_kwargs=cfg.grpo.chat_template_kwargs)
+                          replicas=replicas, prompt_ids=train_ids)
     cfg.run_dir = str(run_dir)
     say = print if main else _quiet
     if main:
@@ -169,14 +174,14 @@ def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str)
                            tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project, run_name=run_dir.name,
                            config=cfg.to_dict(), progress=cfg.progress) if main else None
 
-    no_signal = [0]  # RL steps in a row in which no group's rewards differed
+    watch = SignalWatch(cfg.grpo.num_generations, cfg.model.name, cfg.grpo.learning_rate)
 
     def on_step(step: int, metrics: dict[str, float]) -> None:
         if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.grpo.max_steps:
             metrics["eval/accuracy"] = held_out()
         if logger is not None:
             logger.log(step, metrics)
-        no_signal[0], warning = no_signal_warning(no_signal[0], metrics, cfg.grpo.num_generations, cfg.model.name)
+        warning = watch.update(step, metrics)
         if warning and logger is not None:
             logger.message(warning)
         if (cfg.save_steps and step % cfg.save_steps == 0) or step == cfg.grpo.max_steps:
@@ -221,31 +226,52 @@ def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str)
 
 
 NO_SIGNAL_STEPS = 5  # RL steps in a row without a learning signal before the run says so
+COLLAPSE_PEAK = 0.1  # a step accuracy from which a later run of all-wrong steps reads as a collapse, not bad luck
 
 
-def no_signal_warning(streak: int, metrics: dict[str, float], group_size: int,
-                      model: str = "<model>") -> tuple[int, str | None]:
-    """(the new streak, a warning or None) after an RL step with these ``metrics``. A GRPO group whose completions
-    all got the same reward has zero advantages, so a step in which every group did (``frac_reward_zero_std`` = 1)
-    trains nothing. A run that stays there is the commonest silent failure of RL on a new dataset -- a reward
-    function that never matches the data's answer format, or problems far too easy or too hard -- so after
-    ``NO_SIGNAL_STEPS`` such steps in a row the run says which, once per streak. The cause is read from the
-    samples' ``accuracy`` (the task's correctness), not from the reward, which a format reward or partial credit
-    can lift without a single correct answer."""
-    if metrics.get("frac_reward_zero_std", 0.0) < 1.0:
-        return 0, None
-    streak += 1
-    if streak != NO_SIGNAL_STEPS:
-        return streak, None
-    reward = metrics.get("reward", float("nan"))
-    accuracy = metrics.get("accuracy", reward)
-    hint = (f"no sample was correct: compare what the model writes (`jetrl generate --model {model}`, with the "
-            "run's system prompt) with the data's answers and task.reward_funcs" if accuracy <= 0 else
-            "every sample was correct: use harder problems" if accuracy >= 1 else
-            "the rewards agree within every group: raise grpo.num_generations or grpo.temperature")
-    return streak, (f"warning: {streak} RL steps in a row had no learning signal: in every group all "
-                    f"{group_size} completions got the same reward (mean {reward:.3f}, accuracy {accuracy:.3f}), "
-                    f"so every advantage is 0 and the policy gradient is 0; {hint}")
+@dataclass
+class SignalWatch:
+    """Says when a run has stopped learning, and why. A GRPO group whose completions all got the same reward has
+    zero advantages, so a step in which every group did (``frac_reward_zero_std`` = 1) trains nothing. A run that
+    stays there is the commonest silent failure of RL: a reward function that never matches the data's answer
+    format, problems far too easy or too hard, or a policy that training broke. After ``NO_SIGNAL_STEPS`` such
+    steps in a row the run says which, once per streak. The cause is read from the samples' ``accuracy`` (the
+    task's correctness), not from the reward, which a format reward or partial credit can lift without a single
+    correct answer: all wrong after a step at ``COLLAPSE_PEAK`` accuracy or more is a collapse (a learning rate
+    too high: grpo.learning_rate=1 takes the default run from 0.16 at step 1 to 0 by step 3), all wrong from the
+    start a data or reward mismatch."""
+
+    group_size: int
+    model: str = "<model>"
+    learning_rate: float | None = None
+    streak: int = 0
+    peak: float = 0.0  # the best step accuracy so far, and its step
+    peak_step: int = 0
+
+    def update(self, step: int, metrics: dict[str, float]) -> str | None:
+        """The warning after RL step ``step`` with these ``metrics``, or None."""
+        reward = metrics.get("reward", float("nan"))
+        accuracy = metrics.get("accuracy", reward)
+        if accuracy > self.peak:
+            self.peak, self.peak_step = accuracy, step
+        if metrics.get("frac_reward_zero_std", 0.0) < 1.0:
+            self.streak = 0
+            return None
+        self.streak += 1
+        if self.streak != NO_SIGNAL_STEPS:
+            return None
+        lr = f"grpo.learning_rate={self.learning_rate:g}" if self.learning_rate is not None else "grpo.learning_rate"
+        hint = (f"the policy collapsed: accuracy was {self.peak:.3f} at step {self.peak_step} and no sample has been "
+                f"correct since; the usual cause is a learning rate too high for the model ({lr}): start again with "
+                "a lower one (from the start model, or from a checkpoint saved before the fall)"
+                if accuracy <= 0 and self.peak >= COLLAPSE_PEAK else
+                f"no sample was correct: compare what the model writes (`jetrl generate --model {self.model}`, with "
+                "the run's system prompt) with the data's answers and task.reward_funcs" if accuracy <= 0 else
+                "every sample was correct: use harder problems" if accuracy >= 1 else
+                "the rewards agree within every group: raise grpo.num_generations or grpo.temperature")
+        return (f"warning: {self.streak} RL steps in a row had no learning signal: in every group all "
+                f"{self.group_size} completions got the same reward (mean {reward:.3f}, accuracy {accuracy:.3f}), "
+                f"so every advantage is 0 and the policy gradient is 0; {hint}")
 
 
 def _quiet(*_: Any, **__: Any) -> None:
