@@ -17,9 +17,10 @@ starts with no graph held and runs two sequences: ``cold`` (the first steps of a
 and then ``steady``, ``STEPS`` new
 batches (other lengths, the row counts rotated) with the cold sequence's graphs still held, so its captures are the
 ones a long run keeps paying. One step runs first, untimed, with graphs that are then dropped (the process's own
-first-call costs: kernel compilation, allocator growth); arms run in the order 1, padded, padded, 1 (a drift
-cancels to first order).
-Reported per sequence: ms, captures, and the positions the update computes (padding rows included).
+first-call costs: kernel compilation, allocator growth); arms run in their order and then in reverse (a drift
+cancels to first order). Each arm captures a shape at its first use; ``USES=1,2`` adds arms that capture it at its
+second (``TrainingGraphs(capture_on_use=2)``, the default since run GX), the first running eagerly.
+Reported per sequence: ms, captures, eager calls, and the positions the update computes (padding rows included).
 
     PYTHONPATH=. OUT=$OUT python3 bench/probe_graph_rows.py        # SIZE=1.7b MICRO=16 ROW_COUNTS=56,40,48,24,...
     SMOKE=1 MICRO=4 ROW_COUNTS=6,8,2 PROMPT=8 MIN=4 MAX=16 PYTHONPATH=. python3 bench/probe_graph_rows.py  # CUDA
@@ -84,30 +85,37 @@ def main() -> None:
                      "completion": [low, high], "layers": cfg.train_layers, "old_logprobs": old_logprobs,
                      "size": "smoke" if smoke else os.environ.get("SIZE", "1.7b"),
                      "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
-    arms = {"own_rows": 1, "padded_rows": micro}
+    # arm -> (row_multiple, capture_on_use); USES=1,2 adds the arms that capture a shape on its second use
+    uses = [int(u) for u in os.environ.get("USES", "1").split(",")]
+    arms = {f"{rows}{'' if use == 1 else f'_use{use}'}": (multiple_rows, use)
+            for rows, multiple_rows in (("own_rows", 1), ("padded_rows", micro)) for use in uses}
     for recipe in ("bf16", "jet"):
         trainer = _trainer(model, recipe, records, generations=2, batch=widest, prompt_len=prompt,
                            completion_len=high, cfg=cfg, old_logprobs=old_logprobs)
         multiple, accum = trainer.train_graphs.length_multiple, trainer.args.gradient_accumulation_steps
+        trainer.train_graphs = TrainingGraphs(model, multiple, capture_on_use=1)  # every shape of it captured:
         _time_phase(trainer, sequences["cold"][0], device)  # the process's first-call costs, in no arm
         times = {(name, arm): [] for name in sequences for arm in arms}
         captures = {(name, arm): [] for name in sequences for arm in arms}
-        for arm in ("own_rows", "padded_rows", "padded_rows", "own_rows"):
+        eager = {(name, arm): [] for name in sequences for arm in arms}
+        for arm in [*arms, *reversed(arms)]:  # a drift cancels to first order
             trainer.train_graphs.reset()
-            trainer.train_graphs = TrainingGraphs(model, multiple, row_multiple=arms[arm])
+            trainer.train_graphs = TrainingGraphs(model, multiple, row_multiple=arms[arm][0],
+                                                  capture_on_use=arms[arm][1])
             for name, batches in sequences.items():
-                held = trainer.train_graphs.num_captures
+                held, ran = trainer.train_graphs.num_captures, trainer.train_graphs.num_eager
                 torch.cuda.synchronize()
                 start = time.perf_counter()
                 for batch in batches:
                     _time_phase(trainer, batch, device)
                 times[name, arm].append((time.perf_counter() - start) * 1e3)
                 captures[name, arm].append(trainer.train_graphs.num_captures - held)
+                eager[name, arm].append(trainer.train_graphs.num_eager - ran)
         results[recipe] = {
             f"{name}_{arm}": {"ms": statistics.mean(times[name, arm]), "samples_ms": times[name, arm],
-                              "captures": captures[name, arm],
+                              "captures": captures[name, arm], "eager_calls": eager[name, arm],
                               "positions": positions(sequences[name], micro, accum,
-                                                     TrainingGraphs(model, multiple, row_multiple=arms[arm]))}
+                                                     TrainingGraphs(model, multiple, row_multiple=arms[arm][0]))}
             for name in sequences for arm in arms}
         results[recipe].update(length_multiple=multiple,
                                updates=f"{trainer.optimizer_steps} updates, {trainer.nonfinite_steps} non-finite")
@@ -119,14 +127,14 @@ def main() -> None:
     print(json.dumps(results, indent=1))
     print(f"\n{steps} steps of {results['row_counts']} rows x ({prompt} + {low}-{high}) tokens, micro-batches of "
           f"{micro}, {cfg.train_layers} layers")
-    print(f"{'recipe':8} {'sequence':8} {'own rows ms':>12} {'padded ms':>10} {'speed-up':>9}  captures own / padded"
-          "  positions own / padded")
+    print(f"{'recipe':8} {'sequence':8} {'arm':20} {'ms':>7} {'speed-up':>9}  captures  eager calls  positions")
     for recipe in ("bf16", "jet"):
         for name in sequences:
-            own, padded = results[recipe][f"{name}_own_rows"], results[recipe][f"{name}_padded_rows"]
-            print(f"{recipe:8} {name:8} {own['ms']:12.0f} {padded['ms']:10.0f} {own['ms'] / padded['ms']:9.2f}  "
-                  f"{own['captures']} / {padded['captures']}  {own['positions']} / {padded['positions']}")
-
+            base = results[recipe][f"{name}_own_rows"]["ms"]
+            for arm in arms:
+                row = results[recipe][f"{name}_{arm}"]
+                print(f"{recipe:8} {name:8} {arm:20} {row['ms']:7.0f} {base / row['ms']:9.2f}  {row['captures']}  "
+                      f"{row['eager_calls']}  {row['positions']}")
 
 if __name__ == "__main__":
     main()

@@ -61,6 +61,49 @@ def test_the_command_line_takes_on_and_off():
         assert resolve_config(get_preset("tiny"), None, [f"grpo.train_cuda_graphs={word}"]).grpo.train_cuda_graphs == word
 
 
+def test_an_eager_use_keeps_its_autograd_graph_private_and_matches_plain_autograd():
+    """A shape's eager first use (``_Eager``, capture on second use) runs the layers under an autograd graph of its
+    own, released by its backward (the caller's graph holds one node, so no parameter's gradient accumulator lives on
+    into a later capture), and gives plain autograd's hidden states and gradients, accumulated into existing .grad
+    tensors. On the CPU: the Function, not the graphs."""
+    import gc
+    import weakref
+
+    from jetrl.rl.train_graphs import _Eager
+
+    class Owner:
+        def __init__(self, model):
+            self.model = model
+
+        def _eager(self, x):
+            rows, length, _ = x.shape
+            positions = torch.arange(length).expand(rows, length)
+            return self.model.model.run_layers(x, *self.model.model.rotary_emb(positions, x.dtype))
+
+        def bind_grads(self):
+            pass
+
+    torch.manual_seed(0)
+    plain = CausalLM(CFG)
+    wrapped = copy.deepcopy(plain)
+    ids = torch.randint(0, CFG.vocab_size, (2, 9))
+    weights = torch.randn(2, 9, CFG.hidden_size)
+    for _ in range(2):  # the second pass accumulates into the first's .grad
+        h_plain = plain.hidden_states(ids)
+        (h_plain * weights).sum().backward()
+        anchor = torch.zeros((), requires_grad=True)
+        h = _Eager.apply(wrapped.model.embed_tokens(ids), anchor, Owner(wrapped))
+        inner = weakref.ref(h.grad_fn.inner[1])  # the layers' output inside the Function
+        loss = (h * weights).sum()
+        loss.backward()
+        gc.collect()
+        assert inner() is None, "the layers' autograd graph outlived the backward"
+        assert torch.equal(h, h_plain.detach())
+    for (name, p), q in zip(plain.named_parameters(), wrapped.parameters()):
+        if name != "lm_head.weight":
+            assert torch.equal(p.grad, q.grad), name
+
+
 def test_cpu_model_is_refused_with_the_reason():
     model = CausalLM(CFG)
     assert "CUDA" in unsupported_reason(model)
@@ -202,7 +245,7 @@ def _micro_batch(model, ids, hidden_states, weights):
 @pytest.mark.parametrize("recipe", ["bf16", "jet", "jet_kv"])
 def test_replay_is_bit_identical_to_eager_at_the_padded_shape(recipe):
     eager, graphed = _models(recipe)
-    graphs, refresh = TrainingGraphs(graphed, length_multiple=64), WeightRefresh(graphed)
+    graphs, refresh = TrainingGraphs(graphed, length_multiple=64, capture_on_use=1), WeightRefresh(graphed)
     optimizers = []
     for model in (eager, graphed):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
@@ -234,13 +277,46 @@ def test_replay_is_bit_identical_to_eager_at_the_padded_shape(recipe):
 
 
 @cuda
+@pytest.mark.parametrize("recipe", ["bf16", "jet"])
+def test_a_shape_is_captured_on_its_second_use(recipe):
+    """The default ``capture_on_use=2``: a shape's first use runs eagerly at the padded shape, its second captures
+    (one warm-up), the rest replay; every one equals the eager model at the padded shape, hidden states and the
+    gradients accumulated over all of them; a shape used once is never captured; counted shapes are bounded."""
+    eager, graphed = _models(recipe)
+    graphs = TrainingGraphs(graphed, length_multiple=64)
+    assert graphs.capture_on_use == 2
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    calls = [(2, 40), (2, 50), (2, 64), (3, 100), (2, 30)]  # 64 x4 (eager, capture, replay, replay), 128 once
+    for i, (rows, length) in enumerate(calls):
+        ids = torch.randint(0, CFG.vocab_size, (rows, length), device="cuda", generator=gen)
+        weights = torch.randn(rows, length, CFG.hidden_size, device="cuda", generator=gen)
+        padded = torch.nn.functional.pad(ids, (0, graphs.padded_length(length) - length))
+        h_eager = _micro_batch(eager, padded, lambda t, n=length: eager.hidden_states(t)[:, :n], weights)
+        h_graph = _micro_batch(graphed, ids, graphs.hidden_states, weights)
+        assert torch.equal(h_eager, h_graph), (recipe, i)
+    for (name, p), q in zip(eager.named_parameters(), graphed.parameters()):
+        if name != "lm_head.weight":
+            assert torch.equal(p.grad, q.grad), (recipe, name)
+    assert (graphs.num_eager, graphs.num_captures, graphs.num_replays) == (2, 1, 3)
+    assert [key[:3] for key in graphs._graphs] == [(2, 64, True)]
+    with torch.no_grad():  # a no-grad pass is a shape of its own, captured on its second use too
+        ids = torch.randint(0, CFG.vocab_size, (2, 40), device="cuda", generator=gen)
+        padded = torch.nn.functional.pad(ids, (0, 24))
+        for _ in range(3):
+            assert torch.equal(graphs.hidden_states(ids), eager.hidden_states(padded)[:, :40])
+    assert (graphs.num_eager, graphs.num_captures, graphs.num_replays) == (3, 2, 5)
+    with pytest.raises(ValueError, match="capture_on_use=0 must be an int >= 1"):
+        TrainingGraphs(graphed, capture_on_use=0)
+
+
+@cuda
 @pytest.mark.parametrize("recipe", ["bf16", "jet", "jet_kv"])
 def test_short_micro_batches_replay_the_full_rows_shape(recipe):
     """With ``row_multiple`` (the trainer's micro-batch size) a micro-batch of fewer rows is padded below with rows of
     token 0 and replays the full micro-batch's graph at its length: no capture of its own. Its hidden states and
     every gradient equal the eager model's on the padded input, whose padding rows the loss never reads."""
     eager, graphed = _models(recipe)
-    graphs = TrainingGraphs(graphed, length_multiple=64, row_multiple=4)
+    graphs = TrainingGraphs(graphed, length_multiple=64, row_multiple=4, capture_on_use=1)
     gen = torch.Generator(device="cuda").manual_seed(2)
     for rows, length in [(4, 50), (3, 60), (1, 33), (2, 64)]:  # one length bucket, one row bucket
         ids = torch.randint(0, CFG.vocab_size, (rows, length), device="cuda", generator=gen)
@@ -271,7 +347,7 @@ def test_the_refresh_graph_writes_the_eager_bits_checks_and_steps_aside():
     from jetrl.fp8.quant import NonFiniteError, quantize
 
     _, model = _models("jet")
-    graphs, refresh = TrainingGraphs(model, length_multiple=64), WeightRefresh(model)
+    graphs, refresh = TrainingGraphs(model, length_multiple=64, capture_on_use=1), WeightRefresh(model)
     ids = torch.randint(0, CFG.vocab_size, (2, 40), device="cuda")
     graphs.hidden_states(ids).float().sum().backward()
     layers = list(model.model.layers.parameters())
@@ -342,7 +418,7 @@ def test_the_refresh_graph_writes_the_eager_bits_checks_and_steps_aside():
 @cuda
 def test_a_stale_backward_raises_and_replaced_grads_are_kept():
     _, model = _models("jet")
-    graphs = TrainingGraphs(model, length_multiple=64)
+    graphs = TrainingGraphs(model, length_multiple=64, capture_on_use=1)
     ids = torch.randint(0, CFG.vocab_size, (2, 40), device="cuda")
     first = graphs.hidden_states(ids).float().sum()
     graphs.hidden_states(ids).float().sum().backward()
@@ -373,7 +449,7 @@ def test_a_stale_backward_raises_and_replaced_grads_are_kept():
 @cuda
 def test_gradients_follow_any_zeroing_order_and_shapes_are_evicted():
     _, model = _models("jet")
-    graphs = TrainingGraphs(model, length_multiple=64, max_graphs=2)
+    graphs = TrainingGraphs(model, length_multiple=64, max_graphs=2, capture_on_use=1)
     params = list(model.model.layers.parameters())
     ids = torch.randint(0, CFG.vocab_size, (2, 40), device="cuda")
     graphs.hidden_states(ids).float().sum().backward()

@@ -32,9 +32,22 @@ with G = 8 (short micro-batches always of 8 rows) padding saved the first steps 
 them) and was then 2-6% slower in steady state, computing its padding rows for nothing; with G = 4 (4, 8 or 12
 rows) the shapes outgrew the cache and a long run kept capturing (2 captures in 6 steps): padding was 1.01-1.10x in
 steady state and 1.20-1.22x over the first steps (14 captures down to 8). It is not on by default because it loses
-where the short shapes fit in the cache -- one count (measured), and likely with the old-logprob pass reused from
-the rollout (``jet``'s default: one shape per length, not two; not measured) -- and its cost grows as a rank's
-rollout batch shrinks toward one micro-batch: padding a lone micro-batch of 16 kept rows to 64 computes 4x the rows.
+where the short shapes fit in the cache -- one count, and with the old-logprob pass reused from the rollout
+(``jet``'s default: one shape per length, not two; run GV: 0.95-0.97x steady with G = 8, 1.00-1.12x with G = 4) --
+and its cost grows as a rank's rollout batch shrinks toward one micro-batch: padding a lone micro-batch of 16 kept
+rows to 64 computes 4x the rows.
+
+Capture on second use (``capture_on_use``, 2 by default). A capture costs a shape ``num_warmup`` warm-up passes
+and the recording on top of its replay, so a shape used once -- a length or a short micro-batch's row count that a
+run meets only now and then -- costs far more graphed than eager. A shape's first use therefore runs eagerly, at the
+padded shape (the very numbers a replay gives), and its second use captures it, with one warm-up fewer: the eager
+pass already compiled and initialized what a warm-up would. Uses are counted for up to ``MAX_TRACKED_SHAPES``
+shapes. ``capture_on_use=1`` captures at the first use. Measured on the H200 at Qwen3-1.7B's shapes (run GX,
+bench/probe_graph_rows.py with ``USES=1,2``, groups of 4, old logprobs reused, 6 + 6 steps): the first 6 steps
+1.14-1.31x (``bf16``) and 1.08-1.10x (``jet``) faster, the next 6 1.00-1.13x and 0.87-0.93x (they capture the
+shapes the first ones met once, now met again), all 12 1.08-1.24x and 0.99-1.03x; with padded rows (fewer shapes)
+1.00-1.04x and 1.01-1.03x over the 12. So a run's first steps are faster, a run as a whole no slower (within 1%),
+and a shape a run meets once costs one eager pass instead of a capture.
 
 What a replay cannot do, and how this file covers it:
 * **Weights.** The graph reads the FP8 weight caches' buffers (codes and scales of W, W^T, the stacked W_s
@@ -90,6 +103,8 @@ from jetrl.models.stacked_projections import refresh_stacked_projections
 
 DEFAULT_LENGTH_MULTIPLE = 128
 DEFAULT_MAX_GRAPHS = 16  # captured shapes kept (module docstring: memory)
+DEFAULT_CAPTURE_ON_USE = 2  # a shape is captured on its second use; its first runs eagerly (module docstring)
+MAX_TRACKED_SHAPES = 1024  # shapes used but not captured whose uses are counted (least recently used dropped)
 AUTO_MAX_LENGTHS = 6  # auto_length_multiple: 6 lengths x (training, no-grad) shapes leave 4 of DEFAULT_MAX_GRAPHS
 AUTO_MAX_PARAMETERS = 3.5e9  # auto_enabled
 
@@ -115,18 +130,20 @@ class TrainingGraphs:
     forward alone without it (an old-logprob pass)."""
 
     def __init__(self, model: nn.Module, length_multiple: int = DEFAULT_LENGTH_MULTIPLE, num_warmup: int = 2,
-                 max_graphs: int = DEFAULT_MAX_GRAPHS, row_multiple: int = 1) -> None:
+                 max_graphs: int = DEFAULT_MAX_GRAPHS, row_multiple: int = 1,
+                 capture_on_use: int = DEFAULT_CAPTURE_ON_USE) -> None:
         problem = unsupported_reason(model)
         if problem:
             raise ValueError(f"CUDA graphs for training: {problem}")
         for name, value in (("length_multiple", length_multiple), ("max_graphs", max_graphs),
-                            ("row_multiple", row_multiple)):
+                            ("row_multiple", row_multiple), ("capture_on_use", capture_on_use)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
         self.model, self.decoder = model, model.model
         self.length_multiple, self.num_warmup, self.max_graphs = length_multiple, num_warmup, max_graphs
-        self.row_multiple = row_multiple
+        self.row_multiple, self.capture_on_use = row_multiple, capture_on_use
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()  # least recently used first
+        self._uses: OrderedDict[tuple, int] = OrderedDict()  # eager uses of shapes not captured, least recent first
         self._pool = None
         self._reads: dict = {}  # every FP8 weight buffer the held graphs read (recorded_weight_reads)
         self._grads: list[tuple[nn.Parameter, Tensor]] = []  # (parameter, the .grad tensor the graphs add into)
@@ -138,6 +155,7 @@ class TrainingGraphs:
         self._anchor = torch.zeros((), device=next(model.parameters()).device, requires_grad=True)
         self.num_captures = 0
         self.num_replays = 0
+        self.num_eager = 0  # calls run eagerly, before their shape's capture_on_use-th use
 
     def padded_length(self, length: int) -> int:
         return _round_up(length, self.length_multiple)
@@ -158,12 +176,26 @@ class TrainingGraphs:
         key = (padded_rows, padded, train, current_phase(), exact_active(x.device))
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(x, key)
+            uses = self._uses.pop(key, 0) + 1
+            if uses < self.capture_on_use:  # eager: at the padded shape, the very numbers a replay gives
+                self._uses[key] = uses
+                if len(self._uses) > MAX_TRACKED_SHAPES:
+                    self._uses.popitem(last=False)
+                self.num_eager += 1
+                out = _Eager.apply(x, self._anchor, self) if train else self._eager(x)
+                return out[:rows, :length]
+            # earlier eager uses already ran this shape's kernels on the current stream (compilation, lazy caches)
+            graph = self._capture(x, key, max(1, self.num_warmup - (uses - 1)))
         self._graphs.move_to_end(key)
         if train:
             return _Replay.apply(x, self._anchor, graph, self)[:rows, :length]
         self._replay_forward(graph, x)
         return graph.out[:rows, :length]
+
+    def _eager(self, x: Tensor) -> Tensor:
+        rows, length, _ = x.shape
+        cos, sin = self.decoder.rotary_emb(torch.arange(length, device=x.device).expand(rows, length), x.dtype)
+        return self.decoder.run_layers(x, cos, sin)
 
     def _replay_forward(self, graph: _Graph, x: Tensor) -> None:
         with torch.no_grad():
@@ -232,8 +264,9 @@ class TrainingGraphs:
             self._checked = self._weights_state(_params(self.decoder))
 
     # ------------------------------------------------------------------ capture
-    def _capture(self, x: Tensor, key: tuple) -> _Graph:
-        """Capture the layers' forward (and, under autograd, their backward) at ``x``'s shape."""
+    def _capture(self, x: Tensor, key: tuple, num_warmup: int) -> _Graph:
+        """Capture the layers' forward (and, under autograd, their backward) at ``x``'s shape, after ``num_warmup``
+        warm-up passes on a side stream."""
         rows, length, _ = x.shape
         train = torch.is_grad_enabled()
         params = _params(self.decoder)
@@ -259,7 +292,7 @@ class TrainingGraphs:
             else:
                 body()
 
-        warm_up(warm, self.num_warmup)  # also fills the lazy caches the graphs read: W^T, the stacks
+        warm_up(warm, num_warmup)  # also fills the lazy caches the graphs read: W^T, the stacks
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         fwd, bwd = torch.cuda.CUDAGraph(), (torch.cuda.CUDAGraph() if train else None)
@@ -295,6 +328,32 @@ class _Graph:
                  reads: dict, keep: tuple) -> None:
         self.fwd, self.bwd, self.x, self.out, self.grad_out, self.grad_x = fwd, bwd, x, out, grad_out, grad_x
         self.reads, self.keep = reads, keep
+
+
+class _Eager(torch.autograd.Function):
+    """A shape's eager use under autograd, its layers' autograd graph private to this micro-batch: built inside the
+    forward and released by the backward. Were the layers' autograd nodes the caller's, they would outlive the
+    backward for as long as the caller holds the loss (a training loop holds it into the next micro-batch's
+    forward), and a capture there would find the parameters' gradient accumulators bound to the default stream, on
+    which a capturing stream cannot wait (CUDA's cudaErrorStreamCaptureImplicit; run GX)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, anchor: Tensor, owner: TrainingGraphs) -> Tensor:
+        with torch.enable_grad():
+            inner_x = x.detach().requires_grad_(ctx.needs_input_grad[0])
+            out = owner._eager(inner_x)
+        ctx.inner, ctx.owner = (inner_x, out), owner
+        return out.detach()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        inner_x, out = ctx.inner
+        ctx.inner = None  # the layers' autograd graph goes with this backward
+        ctx.owner.bind_grads()  # accumulate into the tensors the graphs add into, if any are held
+        if out.requires_grad:  # not when every layer parameter and the input are frozen
+            torch.autograd.backward(out, grad)
+        return inner_x.grad, None, None
 
 
 class _Replay(torch.autograd.Function):
