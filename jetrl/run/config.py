@@ -50,7 +50,8 @@ class TaskConfig:
     name: str = _f("+", "synthetic: operators like '+' or '+*'; reasoning_gym: the task name, e.g. 'chain_sum'")
     path: str | None = _f(None, "file: training data (jsonl or parquet; verl format or plain)")
     eval_path: str | None = _f(None, "file: held-out data; None splits num_eval records off the training file")
-    num_train: int = _f(2000, "training problems (synthetic / reasoning_gym)")
+    num_train: int = _f(2000, "training problems (synthetic / reasoning_gym / tiny_adder; a file source trains on "
+                              "all its records)")
     num_eval: int = _f(200, "held-out problems")
     seed: int = _f(0, "seed of problem generation and of the held-out split")
     system_prompt: str | None = _f(None, "system message prepended to every prompt")
