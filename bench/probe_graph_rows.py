@@ -130,11 +130,12 @@ def main() -> None:
     print(f"{'recipe':8} {'sequence':8} {'arm':20} {'ms':>7} {'speed-up':>9}  captures  eager calls  positions")
     for recipe in ("bf16", "jet"):
         for name in sequences:
-            base = results[recipe][f"{name}_own_rows"]["ms"]
+            base = results[recipe][f"{name}_{next(iter(arms))}"]["ms"]
             for arm in arms:
                 row = results[recipe][f"{name}_{arm}"]
                 print(f"{recipe:8} {name:8} {arm:20} {row['ms']:7.0f} {base / row['ms']:9.2f}  {row['captures']}  "
                       f"{row['eager_calls']}  {row['positions']}")
+
 
 if __name__ == "__main__":
     main()

@@ -161,7 +161,7 @@ def test_jsonl_round_trip_and_plain_format(tmp_path):
 def test_dataset_columns_reach_the_rewards_and_round_trip(tmp_path):
     """A file's other columns stay in its records (JSON-safe) and come back as reward columns, None where a record
     lacks one; the names the reward call uses are refused; parquet keeps columns that only some rows have."""
-    from jetrl.data.records import reward_columns
+    from jetrl.data.records import column_names, reward_columns
 
     path = tmp_path / "levels.jsonl"
     path.write_text(json.dumps({"question": "1+1?", "answer": "2", "level": 1}) + "\n"
@@ -177,9 +177,17 @@ def test_dataset_columns_reach_the_rewards_and_round_trip(tmp_path):
     back = load_records(tmp_path / "levels.parquet")
     assert back[0]["level"] == 1 and back[1]["source"] == "x"
     assert reward_columns(back)["level"] == [1, None]
+    mixed = [records[0], {**records[1], "level": "Level 4"}]  # an int and a str in one column
+    with pytest.raises(DatasetError, match="parquet cannot hold these records' columns .*save them as .jsonl"):
+        save_records(mixed, tmp_path / "mixed.parquet")
     path.write_text(json.dumps({"question": "1+1?", "answer": "2", "completions": "x"}) + "\n")
     with pytest.raises(DatasetError, match=r"levels.jsonl:1: column 'completions' cannot reach the reward functions"):
         load_records(path)
+    # a batch without a column still passes it (the whole dataset's names), and completion_ids come along
+    batch = reward_columns(records[1:], 1, column_names(records), completion_ids=[[7, 8]])
+    assert batch["level"] == [None] and batch["completion_ids"] == [[7, 8]]
+    with pytest.raises(ValueError, match="records hold a column 'prompts', a name the reward functions' call uses"):
+        column_names([{**records[0], "prompts": "x"}])
 
 
 VERL_ROW = {

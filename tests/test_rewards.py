@@ -146,6 +146,16 @@ def test_reward_gets_only_the_columns_it_names_without_kwargs():
     with pytest.raises(RewardError, match=r"'exact' raised on sample 0: TypeError: .*ground_truth"):
         compute_rewards([exact], ["1"], level=[3])
 
+    def trl_style(prompts, completions, completion_ids, **kwargs):  # TRL calls everything by keyword
+        return [float(len(ids)) for ids in completion_ids]
+
+    def texts_first(texts, answer):  # completions go to the first parameter; a column of that name does not
+        return [float(t == a) for t, a in zip(texts, answer)]
+
+    columns = {"prompts": ["p", "q"], "completion_ids": [[1], [2, 3]], "answer": ["1", "x"], "texts": ["?", "?"]}
+    assert compute_rewards([trl_style, texts_first], ["1", "2"], **columns) == {
+        "trl_style": [1.0, 2.0], "texts_first": [1.0, 0.0]}
+
 
 def test_reward_missing_column_fails_at_sample_0():
     with pytest.raises(RewardError, match=r"'math' raised on sample 0: ValueError: .*gold-answer column"):

@@ -301,8 +301,8 @@ def test_a_run_without_learning_signal_says_so_once():
     step with signal resets the count."""
     from jetrl.run.train import NO_SIGNAL_STEPS, SignalWatch
 
-    def last_warning(*steps, model="<model>", learning_rate=None):
-        watch = SignalWatch(4, model, learning_rate)
+    def last_warning(*steps, model="<model>", learning_rate=None, samples=None):
+        watch = SignalWatch(4, model, learning_rate, samples)
         return [watch.update(i + 1, metrics) for i, metrics in enumerate(steps)][-1]
 
     flat = {"frac_reward_zero_std": 1.0, "reward": 0.0}
@@ -321,10 +321,14 @@ def test_a_run_without_learning_signal_says_so_once():
                              model="/models/m")
     assert "no sample was correct" in formatted and "jetrl generate --model /models/m" in formatted
     # all wrong after a step that was often right: training broke the policy (grpo.learning_rate=1 on the default)
-    collapsed = last_warning({"frac_reward_zero_std": 0.5, "reward": 0.16, "accuracy": 0.16},
-                             *[{"frac_reward_zero_std": 1.0, "reward": 0.0, "accuracy": 0.0}] * NO_SIGNAL_STEPS,
-                             learning_rate=1.0)
-    assert "the policy collapsed: accuracy was 0.160 at step 1" in collapsed and "grpo.learning_rate=1)" in collapsed
+    wrong = [{"frac_reward_zero_std": 1.0, "reward": 0.0, "accuracy": 0.0}] * NO_SIGNAL_STEPS
+    collapsed = last_warning(*[{"frac_reward_zero_std": 0.5, "accuracy": a} for a in (0.16, 0.05, 0.02)], *wrong,
+                             learning_rate=1.0, samples=64)  # 10 correct samples at step 1
+    assert "the policy collapsed: accuracy was 0.160 at step 1, and no sample has been correct since step 3" in (
+        collapsed)
+    assert "grpo.learning_rate=1)" in collapsed
+    lucky = last_warning({"frac_reward_zero_std": 0.5, "accuracy": 0.125}, *wrong, samples=8)  # one correct sample
+    assert "no sample was correct" in lucky
 
 
 def test_the_gsm8k_example_config_resolves():

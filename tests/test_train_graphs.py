@@ -36,7 +36,10 @@ def test_config_checks():
             GRPOConfig(train_graph_length_multiple=bad)
         with pytest.raises(ValueError, match="train_graph_row_multiple.*an int >= 1"):
             GRPOConfig(train_graph_row_multiple=bad)
+        with pytest.raises(ValueError, match="train_graph_capture_on_use.*an int >= 1"):
+            GRPOConfig(train_graph_capture_on_use=bad)
     assert GRPOConfig().train_graph_length_multiple == "auto" and GRPOConfig().train_graph_row_multiple == 1
+    assert GRPOConfig().train_graph_capture_on_use == 2
     with pytest.raises(ValueError, match="train_graph_row_multiple=12 must divide grpo.per_device_train_batch_size=16"):
         GRPOConfig(per_device_train_batch_size=16, train_graph_row_multiple=12)
     assert GRPOConfig(per_device_train_batch_size=16, train_graph_row_multiple=16).train_graph_row_multiple == 16
@@ -102,6 +105,10 @@ def test_an_eager_use_keeps_its_autograd_graph_private_and_matches_plain_autogra
     for (name, p), q in zip(plain.named_parameters(), wrapped.parameters()):
         if name != "lm_head.weight":
             assert torch.equal(p.grad, q.grad), name
+    h = _Eager.apply(wrapped.model.embed_tokens(ids), anchor, Owner(wrapped))
+    h.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="eager micro-batch's backward ran twice"):
+        h.sum().backward()
 
 
 def test_cpu_model_is_refused_with_the_reason():

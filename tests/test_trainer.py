@@ -203,14 +203,14 @@ def test_reward_functions_get_the_datasets_columns_as_trl_passes_them():
 
     def by_level(completions, **kwargs):
         seen.update(kwargs)
-        return [float(level) for level in kwargs["level"]]
+        return [float(level or 0) for level in kwargs["level"]]
 
     def plain(completions, ground_truth):
         return [0.0] * len(completions)
 
     torch.manual_seed(0)
     train, _ = synthetic_split(16, 0, 0)
-    train = [{**r, "level": i % 3} for i, r in enumerate(train)]
+    train = [{**r, "level": i % 3} if i % 2 else r for i, r in enumerate(train)]  # a column half the records hold
     args = GRPOConfig(**{**ARGS, "max_steps": 1})
     trainer = GRPOTrainer(CausalLM(tiny_model_config()), [by_level, plain], args, train,
                           tokenizer=Tokenizer(build_tiny_tokenizer()))
@@ -220,10 +220,11 @@ def test_reward_functions_get_the_datasets_columns_as_trl_passes_them():
     assert {"prompts", "completion_ids", "ground_truth", "task", "metadata", "level"} <= set(seen)
     assert all(len(column) == n for column in seen.values())
     record_of = {str(r["prompt"]): r for r in train}  # each completion's columns are its own prompt's record's
-    assert all(seen["level"][i] == record_of[str(seen["prompts"][i])]["level"] for i in range(n))
+    assert all(seen["level"][i] == record_of[str(seen["prompts"][i])].get("level") for i in range(n))
     assert all(seen["ground_truth"][i] == record_of[str(seen["prompts"][i])]["ground_truth"] for i in range(n))
     assert all(isinstance(t, int) for ids in seen["completion_ids"] for t in ids)
-    assert metrics["rewards/by_level/mean"] == sum(seen["level"]) / n and metrics["rewards/plain/mean"] == 0.0
+    assert metrics["rewards/by_level/mean"] == sum(level or 0 for level in seen["level"]) / n
+    assert metrics["rewards/plain/mean"] == 0.0
 
 
 def test_prompt_longer_than_context_fails_at_start():

@@ -180,7 +180,11 @@ def save_records(records: Sequence[Record], path: str | Path) -> None:
         rows = [{key: r.get(key) for key in names} for r in records]
         if "metadata" in names:
             rows = [{**r, "metadata": json.dumps(json_safe(r["metadata"]))} for r in rows]
-        pq.write_table(pa.Table.from_pylist(rows), path)
+        try:
+            pq.write_table(pa.Table.from_pylist(rows), path)
+        except (pa.ArrowException, TypeError, ValueError) as e:  # a column of mixed types, an empty struct
+            raise DatasetError(f"{path}: parquet cannot hold these records' columns ({type(e).__name__}: {e}); "
+                               "save them as .jsonl") from None
     else:
         raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl, .json or .parquet")
 

@@ -106,12 +106,30 @@ def make_record(prompt: str | Sequence[Mapping[str, Any]], ground_truth: Any, ta
     return record
 
 
-def reward_columns(records: Sequence[Record], repeat: int = 1) -> dict[str, list[Any]]:
+def column_names(records: Sequence[Record]) -> list[str]:
+    """The dataset columns, beyond a record's own keys, that any of ``records`` holds: the columns every reward call
+    on them passes (``reward_columns``), whichever records a batch holds. A name the reward call uses is an error."""
+    names = sorted({key for record in records for key in record if key not in RECORD_KEYS})
+    taken = [name for name in names if name in RESERVED_COLUMNS]
+    if taken:
+        raise ValueError(f"records hold a column {taken[0]!r}, a name the reward functions' call uses itself; rename "
+                         "it")
+    return names
+
+
+def reward_columns(records: Sequence[Record], repeat: int = 1, names: Sequence[str] | None = None,
+                   completion_ids: Sequence[Sequence[int]] | None = None) -> dict[str, list[Any]]:
     """The keyword arguments a reward function gets for ``records``, each record's values repeated ``repeat``
-    times (its completions): ``prompts`` (the chat messages), ``ground_truth``, ``task``, ``metadata`` and every
-    other column any record holds (None where a record lacks it). TRL passes the same: all dataset columns."""
-    names = ["ground_truth", "task", "metadata"]
-    names += sorted({key for record in records for key in record if key not in RECORD_KEYS})
+    times (its completions): ``prompts`` (the record's chat messages, without the run's system prompt),
+    ``ground_truth``, ``task``, ``metadata``, ``completion_ids`` when given, and the dataset columns ``names``
+    (default: ``column_names(records)``; give the whole dataset's, so that every batch passes the same ones), None
+    where a record lacks one. TRL passes the same: all dataset columns."""
+    names = column_names(records) if names is None else list(names)
     columns = {"prompts": [record.get("prompt") for record in records for _ in range(repeat)]}
-    columns.update({name: [record.get(name) for record in records for _ in range(repeat)] for name in names})
+    for name in ["ground_truth", "task", "metadata", *names]:
+        columns[name] = [record.get(name) for record in records for _ in range(repeat)]
+    if completion_ids is not None:
+        if len(completion_ids) != len(records) * repeat:
+            raise ValueError(f"{len(completion_ids)} completion_ids for {len(records)} records x {repeat}")
+        columns["completion_ids"] = [list(ids) for ids in completion_ids]
     return columns

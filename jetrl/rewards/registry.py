@@ -6,8 +6,9 @@ the function and the first sample it fails on (found by re-calling it one sample
 with the original exception chained, and checks that it returned one number per completion.
 ``None`` in a reward list means "not applicable to this sample" (TRL's convention) and becomes
 NaN. Signatures follow TRL: ``fn(completions, **columns) -> list[float]``, where each column
-is a list aligned with ``completions``. A function without ``**kwargs`` gets only the columns it
-names, so ``def reward(completions, ground_truth)`` works whatever else the dataset holds.
+is a list aligned with ``completions``, all passed by keyword (``call_reward``). A function without
+``**kwargs`` gets only the columns it names, so ``def reward(completions, ground_truth)`` works
+whatever else the dataset holds.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def _first_failing_sample(fn: RewardFunc, completions: list, columns: dict[str, 
     n = len(completions)
     for i in range(n):
         try:
-            fn([completions[i]], **{k: _column_at(v, i, n) for k, v in columns.items()})
+            call_reward(fn, [completions[i]], {k: _column_at(v, i, n) for k, v in columns.items()})
         except Exception:  # noqa: BLE001 -- user code: any exception marks the sample
             return i
     return None
@@ -120,18 +121,23 @@ def _to_floats(name: str, rewards: Any, n: int) -> list[float]:
     return out
 
 
-def accepted_columns(fn: RewardFunc, columns: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``columns`` that ``fn`` takes: all of them if it has ``**kwargs`` (TRL's convention) or no signature
-    Python can read, else those it names."""
+def call_reward(fn: RewardFunc, completions: list, columns: Mapping[str, Any]) -> Any:
+    """``fn`` on ``completions`` with the ``columns`` it takes, as TRL calls it: everything by keyword
+    (``completions=``, ``prompts=``, ``completion_ids=``, each dataset column) to a function with ``**kwargs`` or a
+    ``completions`` parameter; otherwise the completions go to its first parameter and it gets the columns it names
+    (``def reward(texts, ground_truth)``). A signature Python cannot read gets everything, completions first."""
     try:
-        params = inspect.signature(fn).parameters.values()
+        params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
-        return dict(columns)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return dict(columns)
+        return fn(completions, **columns)
     by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return fn(**{**columns, "completions": completions})
     named = {p.name for p in params if p.kind in by_name}
-    return {k: v for k, v in columns.items() if k in named}
+    if "completions" in named:
+        return fn(**{k: v for k, v in columns.items() if k in named}, completions=completions)
+    first = params[0].name if params and params[0].kind is not inspect.Parameter.KEYWORD_ONLY else None
+    return fn(completions, **{k: v for k, v in columns.items() if k in named and k != first})
 
 
 def compute_rewards(funcs: str | RewardFunc | Sequence[str | RewardFunc] | Mapping[str, RewardFunc],
@@ -143,11 +149,10 @@ def compute_rewards(funcs: str | RewardFunc | Sequence[str | RewardFunc] | Mappi
             raise ValueError(f"column {key!r} has {len(value)} values for {n} completions")
     results = {}
     for name, fn in resolve_reward_funcs(funcs).items():
-        taken = accepted_columns(fn, columns)
         try:
-            rewards = fn(completions, **taken)
+            rewards = call_reward(fn, completions, columns)
         except Exception as e:
-            i = _first_failing_sample(fn, completions, taken)
+            i = _first_failing_sample(fn, completions, columns)
             where = f"sample {i}" if i is not None else "the batch (no single sample fails alone)"
             raise RewardError(f"reward function {name!r} raised on {where}: {type(e).__name__}: {e}") from e
         results[name] = _to_floats(name, rewards, n)

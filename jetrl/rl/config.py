@@ -102,6 +102,9 @@ class GRPOConfig:
                                        "per_device_train_batch_size, a short last micro-batch (dynamic sampling) "
                                        "replays the full one's graph instead of a capture of its own, and computes "
                                        "its padding rows (jetrl/rl/train_graphs.py says when that pays)")
+    train_graph_capture_on_use: int = _f(2, "with train_cuda_graphs, a micro-batch shape is captured on this use; the "
+                                         "ones before it run eagerly, with the same numbers (1 = capture on first "
+                                         "use; jetrl/rl/train_graphs.py)")
 
     def __post_init__(self) -> None:
         if isinstance(self.train_cuda_graphs, bool):  # YAML reads an override's on/off as a boolean
@@ -112,7 +115,7 @@ class GRPOConfig:
         multiple = self.train_graph_length_multiple
         if multiple != "auto" and (not isinstance(multiple, int) or isinstance(multiple, bool) or multiple < 1):
             raise ValueError(f"grpo.train_graph_length_multiple={multiple!r} must be 'auto' or an int >= 1")
-        for name in (*positive, "train_graph_row_multiple"):
+        for name in (*positive, "train_graph_row_multiple", "train_graph_capture_on_use"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"grpo.{name}={value!r} must be an int >= 1")

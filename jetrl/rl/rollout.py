@@ -21,7 +21,7 @@ import torch
 from jetrl.data.records import reward_columns
 from jetrl.engine import Engine, SamplingParams
 from jetrl.rewards import compute_rewards, is_correct
-from jetrl.rewards.registry import accepted_columns
+from jetrl.rewards.registry import call_reward
 from jetrl.rl.advantages import group_advantages, zero_signal_groups
 from jetrl.rl.batch import RolloutBatch
 from jetrl.rl.config import GRPOConfig
@@ -30,17 +30,19 @@ from jetrl.rl.config import GRPOConfig
 def rollout(engine: Engine, prompt_ids: list[list[int]], records: list[dict[str, Any]],
             reward_funcs: dict[str, Callable], args: GRPOConfig, seed: int,
             accuracy_func: Callable | None = None, gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
-            seeds: list[int] | None = None) -> tuple[RolloutBatch | None, dict[str, float], list[str]]:
+            seeds: list[int] | None = None,
+            column_names: list[str] | None = None) -> tuple[RolloutBatch | None, dict[str, float], list[str]]:
     """Generate, score and batch ``num_generations`` completions of every prompt. Data parallel (replicas.py):
     ``seeds`` pins each prompt's sample streams (by its index in the whole step), and ``gather`` gives every rank's
-    rewards from this rank's, for ``scale_rewards='batch'``."""
+    rewards from this rank's, for ``scale_rewards='batch'``. ``column_names``: the dataset columns the reward
+    functions get (``jetrl.data.records.column_names`` of the whole dataset; default: those ``records`` hold)."""
     G = args.num_generations
     params = SamplingParams(n=G, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_completion_length, seed=seed)
     groups = engine.generate(prompt_ids, params, seeds=seeds)
     completions = [c for group in groups for c in group]
     texts = [c.text if c.text is not None else "" for c in completions]
-    columns = reward_columns(records, G) | {"completion_ids": [list(c.token_ids) for c in completions]}
+    columns = reward_columns(records, G, column_names, completion_ids=[c.token_ids for c in completions])
     per_func = compute_rewards(reward_funcs, texts, **columns)
     weights = args.reward_weights or [1.0] * len(per_func)
     if len(weights) != len(per_func):
@@ -77,7 +79,7 @@ def rollout(engine: Engine, prompt_ids: list[list[int]], records: list[dict[str,
     for name, values in per_func.items():
         metrics[f"rewards/{name}/mean"] = sum(values) / len(values)
     if accuracy_func is not None:
-        correct = accuracy_func(texts, **accepted_columns(accuracy_func, columns))
+        correct = call_reward(accuracy_func, texts, columns)
         metrics["accuracy"] = sum(is_correct(r) for r in correct) / len(correct)
     if not keep.any():
         return None, metrics, texts

@@ -42,9 +42,10 @@ and the recording on top of its replay, so a shape used once -- a length or a sh
 run meets only now and then -- costs far more graphed than eager. A shape's first use therefore runs eagerly, at the
 padded shape (the very numbers a replay gives), and its second use captures it, with one warm-up fewer: the eager
 pass already compiled and initialized what a warm-up would. Uses are counted for up to ``MAX_TRACKED_SHAPES``
-shapes. ``capture_on_use=1`` captures at the first use. Measured on the H200 at Qwen3-1.7B's shapes (run GX,
-bench/probe_graph_rows.py with ``USES=1,2``, groups of 4, old logprobs reused, 6 + 6 steps): the first 6 steps
-1.14-1.31x (``bf16``) and 1.08-1.10x (``jet``) faster, the next 6 1.00-1.13x and 0.87-0.93x (they capture the
+shapes. ``capture_on_use=1`` (``grpo.train_graph_capture_on_use=1``) captures at the first use. Measured on the
+H200 at Qwen3-1.7B's shapes (run GX, the eager pass's first form, whose autograd graph was the caller's: the same
+kernels; bench/probe_graph_rows.py with ``USES=1,2``, groups of 4, old logprobs reused, 6 + 6 steps): the first 6
+steps 1.14-1.31x (``bf16``) and 1.08-1.10x (``jet``) faster, the next 6 1.00-1.13x and 0.87-0.93x (they capture the
 shapes the first ones met once, now met again), all 12 1.08-1.24x and 0.99-1.03x; with padded rows (fewer shapes)
 1.00-1.04x and 1.01-1.03x over the 12. So a run's first steps are faster, a run as a whole no slower (within 1%),
 and a shape a run meets once costs one eager pass instead of a capture.
@@ -348,6 +349,9 @@ class _Eager(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):
+        if ctx.inner is None:
+            raise RuntimeError("CUDA-graphed training: an eager micro-batch's backward ran twice; its activations "
+                               "went with the first (retain_graph is not supported here)")
         inner_x, out = ctx.inner
         ctx.inner = None  # the layers' autograd graph goes with this backward
         ctx.owner.bind_grads()  # accumulate into the tensors the graphs add into, if any are held

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from jetrl.data import encode_prompts
+from jetrl.data.records import column_names
 from jetrl.engine import Engine
 from jetrl.engine.sampling import prompt_seed
 from jetrl.fp8 import (
@@ -93,6 +94,7 @@ class GRPOTrainer:
         self.reward_funcs = resolve_reward_funcs(reward_funcs)
         self.accuracy_func = accuracy_func
         self.records = list(train_dataset)
+        self.column_names = column_names(self.records)  # what every reward call passes, whichever records it scores
         if prompt_ids is not None and len(prompt_ids) != len(self.records):
             raise ValueError(f"prompt_ids holds {len(prompt_ids)} prompts for {len(self.records)} records")
         self.prompt_ids = prompt_ids if prompt_ids is not None else encode_prompts(
@@ -158,7 +160,8 @@ class GRPOTrainer:
         multiple = args.train_graph_length_multiple
         if multiple == "auto":
             multiple = auto_length_multiple(args.max_prompt_length + args.max_completion_length)
-        return TrainingGraphs(self.model, multiple, row_multiple=args.train_graph_row_multiple)
+        return TrainingGraphs(self.model, multiple, row_multiple=args.train_graph_row_multiple,
+                              capture_on_use=args.train_graph_capture_on_use)
 
     def graphed_hidden_states(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """The CUDA graphs' ``hidden_states``, or None (eager)."""
@@ -208,7 +211,7 @@ class GRPOTrainer:
                                         [self.records[i] for i in idx], self.reward_funcs, args, seed=seed,
                                         accuracy_func=self.accuracy_func,
                                         gather=replicas.gather if replicas.distributed else None,
-                                        seeds=[prompt_seed(seed, i) for i in block])
+                                        seeds=[prompt_seed(seed, i) for i in block], column_names=self.column_names)
         t1 = self._clock()
         groups = None if batch is None else self._plan(batch)  # the old-logprob pass and the update share it
         if batch is not None:

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from math import comb
 from typing import Any
 
-from jetrl.data.records import reward_columns
+from jetrl.data.records import column_names, reward_columns
 from jetrl.engine import Engine, SamplingParams
 from jetrl.rewards import correctness_func, is_correct, math_reward
-from jetrl.rewards.registry import accepted_columns
+from jetrl.rewards.registry import call_reward
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -38,12 +38,13 @@ def evaluate(engine: Engine, prompt_ids: list[list[int]], records: list[dict[str
     if not records:
         raise ValueError("evaluate: no held-out records (set task.num_eval > 0 or task.eval_path)")
     params = SamplingParams(n=num_samples, temperature=temperature, max_tokens=max_tokens, seed=seed)
+    names = column_names(records)  # every problem's reward call passes the same columns
     groups = engine.generate(prompt_ids, params, seeds=seeds)
     pass1 = passk = length = 0.0
     for record, group in zip(records, groups):
         texts = [c.text or "" for c in group]
-        columns = reward_columns([record], len(texts)) | {"completion_ids": [list(c.token_ids) for c in group]}
-        correct = correct_func(texts, **accepted_columns(correct_func, columns))
+        columns = reward_columns([record], len(texts), names, completion_ids=[c.token_ids for c in group])
+        correct = call_reward(correct_func, texts, columns)
         c = sum(1 for r in correct if is_correct(r))
         pass1 += c / num_samples
         passk += pass_at_k(num_samples, c, num_samples)

@@ -174,7 +174,14 @@ def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str)
                            tensorboard=cfg.tensorboard, wandb_project=cfg.wandb_project, run_name=run_dir.name,
                            config=cfg.to_dict(), progress=cfg.progress) if main else None
 
-    watch = SignalWatch(cfg.grpo.num_generations, cfg.model.name, cfg.grpo.learning_rate)
+    watch = SignalWatch(cfg.grpo.num_generations, cfg.model.name, cfg.grpo.learning_rate,
+                        cfg.grpo.generation_batch_size)
+    if resume and (run_dir / "metrics.jsonl").is_file():  # the steps already run count toward the warnings
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):  # a line cut short by the stop
+                row = json.loads(line)
+                if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= trainer.step:
+                    watch.update(row["step"], row)
 
     def on_step(step: int, metrics: dict[str, float]) -> None:
         if cfg.eval.every and step % cfg.eval.every == 0 and step < cfg.grpo.max_steps:
@@ -226,7 +233,7 @@ def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str)
 
 
 NO_SIGNAL_STEPS = 5  # RL steps in a row without a learning signal before the run says so
-COLLAPSE_PEAK = 0.1  # a step accuracy from which a later run of all-wrong steps reads as a collapse, not bad luck
+COLLAPSE_CORRECT = 5  # correct samples in one step from which a later run of all-wrong steps reads as a collapse
 
 
 @dataclass
@@ -237,21 +244,27 @@ class SignalWatch:
     format, problems far too easy or too hard, or a policy that training broke. After ``NO_SIGNAL_STEPS`` such
     steps in a row the run says which, once per streak. The cause is read from the samples' ``accuracy`` (the
     task's correctness), not from the reward, which a format reward or partial credit can lift without a single
-    correct answer: all wrong after a step at ``COLLAPSE_PEAK`` accuracy or more is a collapse (a learning rate
-    too high: grpo.learning_rate=1 takes the default run from 0.16 at step 1 to 0 by step 3), all wrong from the
-    start a data or reward mismatch."""
+    correct answer. All wrong after a step with ``COLLAPSE_CORRECT`` or more correct samples (of
+    ``samples_per_step``) is a collapse -- five steps without one after a step with five is not bad luck -- and the
+    usual cause a learning rate too high: ``jetrl train grpo.learning_rate=1`` takes the default run from 0.156 at
+    step 1 to 0 at step 3 (CPU, 2026-12-02). All wrong from the start is a data or reward mismatch. A resumed run
+    replays its logged steps into the watch first (``update``'s return ignored)."""
 
     group_size: int
     model: str = "<model>"
     learning_rate: float | None = None
+    samples_per_step: int | None = None  # completions scored per step (all ranks): accuracy x this = correct ones
     streak: int = 0
     peak: float = 0.0  # the best step accuracy so far, and its step
     peak_step: int = 0
+    last_correct_step: int = 0
 
     def update(self, step: int, metrics: dict[str, float]) -> str | None:
         """The warning after RL step ``step`` with these ``metrics``, or None."""
         reward = metrics.get("reward", float("nan"))
         accuracy = metrics.get("accuracy", reward)
+        if accuracy > 0:
+            self.last_correct_step = step
         if accuracy > self.peak:
             self.peak, self.peak_step = accuracy, step
         if metrics.get("frac_reward_zero_std", 0.0) < 1.0:
@@ -261,10 +274,11 @@ class SignalWatch:
         if self.streak != NO_SIGNAL_STEPS:
             return None
         lr = f"grpo.learning_rate={self.learning_rate:g}" if self.learning_rate is not None else "grpo.learning_rate"
-        hint = (f"the policy collapsed: accuracy was {self.peak:.3f} at step {self.peak_step} and no sample has been "
-                f"correct since; the usual cause is a learning rate too high for the model ({lr}): start again with "
-                "a lower one (from the start model, or from a checkpoint saved before the fall)"
-                if accuracy <= 0 and self.peak >= COLLAPSE_PEAK else
+        correct = self.peak * (self.samples_per_step or self.group_size)
+        hint = (f"the policy collapsed: accuracy was {self.peak:.3f} at step {self.peak_step}, and no sample has been "
+                f"correct since step {self.last_correct_step}; the usual cause is a learning rate too high for the "
+                f"model ({lr}): start again with a lower one (from the start model, or from a checkpoint saved before "
+                "the fall)" if accuracy <= 0 and correct >= COLLAPSE_CORRECT - 1e-6 else
                 f"no sample was correct: compare what the model writes (`jetrl generate --model {self.model}`, with "
                 "the run's system prompt) with the data's answers and task.reward_funcs" if accuracy <= 0 else
                 "every sample was correct: use harder problems" if accuracy >= 1 else
