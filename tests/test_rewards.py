@@ -152,9 +152,12 @@ def test_reward_gets_only_the_columns_it_names_without_kwargs():
     def texts_first(texts, answer):  # completions go to the first parameter; a column of that name does not
         return [float(t == a) for t, a in zip(texts, answer)]
 
+    def outputs_first(outputs, **kwargs):  # any name for the completions, the columns by keyword
+        return [float(o == a) for o, a in zip(outputs, kwargs["answer"])]
+
     columns = {"prompts": ["p", "q"], "completion_ids": [[1], [2, 3]], "answer": ["1", "x"], "texts": ["?", "?"]}
-    assert compute_rewards([trl_style, texts_first], ["1", "2"], **columns) == {
-        "trl_style": [1.0, 2.0], "texts_first": [1.0, 0.0]}
+    assert compute_rewards([trl_style, texts_first, outputs_first], ["1", "2"], **columns) == {
+        "trl_style": [1.0, 2.0], "texts_first": [1.0, 0.0], "outputs_first": [1.0, 0.0]}
 
 
 def test_reward_missing_column_fails_at_sample_0():

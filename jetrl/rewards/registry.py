@@ -123,21 +123,22 @@ def _to_floats(name: str, rewards: Any, n: int) -> list[float]:
 
 def call_reward(fn: RewardFunc, completions: list, columns: Mapping[str, Any]) -> Any:
     """``fn`` on ``completions`` with the ``columns`` it takes, as TRL calls it: everything by keyword
-    (``completions=``, ``prompts=``, ``completion_ids=``, each dataset column) to a function with ``**kwargs`` or a
-    ``completions`` parameter; otherwise the completions go to its first parameter and it gets the columns it names
-    (``def reward(texts, ground_truth)``). A signature Python cannot read gets everything, completions first."""
+    (``completions=``, ``prompts=``, ``completion_ids=``, each dataset column) to a function with a ``completions``
+    parameter; otherwise the completions go to its first parameter (``def reward(texts, **kwargs)``).
+    Without ``**kwargs`` it gets only the columns it names (``def reward(texts, ground_truth)``). A signature Python
+    cannot read gets everything, completions first."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return fn(completions, **columns)
     by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return fn(**{**columns, "completions": completions})
     named = {p.name for p in params if p.kind in by_name}
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
     if "completions" in named:
-        return fn(**{k: v for k, v in columns.items() if k in named}, completions=completions)
-    first = params[0].name if params and params[0].kind is not inspect.Parameter.KEYWORD_ONLY else None
-    return fn(completions, **{k: v for k, v in columns.items() if k in named and k != first})
+        return fn(**{k: v for k, v in columns.items() if takes_all or k in named}, completions=completions)
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    first = params[0].name if params and params[0].kind in positional else None
+    return fn(completions, **{k: v for k, v in columns.items() if (takes_all or k in named) and k != first})
 
 
 def compute_rewards(funcs: str | RewardFunc | Sequence[str | RewardFunc] | Mapping[str, RewardFunc],
