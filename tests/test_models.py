@@ -242,3 +242,15 @@ def test_shape_mismatch(llama_dir):
 def test_config_validation(override, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig(**{**TINY, **override})
+
+
+def test_an_unwritable_tiny_cache_is_one_error_before_any_build(tmp_path):
+    """JETRL_CACHE at a file (or a directory that cannot be written): one OSError naming the variable, before the
+    tiny start's SFT runs."""
+    from jetrl.models.tiny.cache import tiny_start_checkpoint
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(OSError, match=r"tiny start's cache .*a_file.* cannot be written \(.*a_file is a file\): "
+                                      r"point JETRL_CACHE"):
+        tiny_start_checkpoint(blocker / "cache")

@@ -30,6 +30,12 @@ def _f(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+def valid_template_kwargs(kwargs: Any) -> bool:
+    """Whether ``kwargs`` can reach a chat template (``chat_template_kwargs``, ``--chat-template-kwargs``): a mapping
+    of keyword names, none of the ``TEMPLATE_ARGUMENTS`` jetrl sets itself."""
+    return isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs) and not set(kwargs) & TEMPLATE_ARGUMENTS
+
+
 @dataclass(kw_only=True)
 class GRPOConfig:
     # --- schedule
@@ -143,11 +149,9 @@ class GRPOConfig:
             (0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)"),
             (0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)"),
             (0 <= self.weight_decay < math.inf, "weight_decay", "must be >= 0 and finite"),
-            (isinstance(self.chat_template_kwargs, dict)
-             and all(isinstance(k, str) for k in self.chat_template_kwargs)
-             and not set(self.chat_template_kwargs) & TEMPLATE_ARGUMENTS,
-             "chat_template_kwargs", ("must be a mapping of keyword names to values, e.g. {enable_thinking: false}, "
-                                      f"none of {sorted(TEMPLATE_ARGUMENTS)} (jetrl sets those)")),
+            (valid_template_kwargs(self.chat_template_kwargs), "chat_template_kwargs",
+             ("must be a mapping of keyword names to values, e.g. {enable_thinking: false}, "
+              f"none of {sorted(TEMPLATE_ARGUMENTS)} (jetrl sets those)")),
             (self.reward_weights is None or (len(self.reward_weights) > 0 and all(
                 isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
                 for w in self.reward_weights)),

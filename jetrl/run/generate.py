@@ -20,7 +20,7 @@ from jetrl.engine import Engine, SamplingParams
 from jetrl.engine.engine import check_context
 from jetrl.models.loader import load_config
 from jetrl.models.tokenizer import load_tokenizer
-from jetrl.rl.config import TEMPLATE_ARGUMENTS
+from jetrl.rl.config import TEMPLATE_ARGUMENTS, valid_template_kwargs
 from jetrl.run.models import load_model, model_path
 
 
@@ -72,7 +72,7 @@ def template_kwargs_from_json(text: str | None) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise ValueError(f"--chat-template-kwargs {text!r} is not valid JSON ({e.msg}); e.g. "
                          "'{\"enable_thinking\": false}'") from None
-    if not isinstance(kwargs, dict) or set(kwargs) & TEMPLATE_ARGUMENTS:
+    if not valid_template_kwargs(kwargs):
         raise ValueError(f"--chat-template-kwargs {text!r} must be a JSON object of keyword arguments, none of "
                          f"{sorted(TEMPLATE_ARGUMENTS)} (jetrl sets those)")
     return kwargs

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from jetrl.models.export import unwritable
 from jetrl.models.loader import save_pretrained
 from jetrl.models.tiny.evaluate import evaluate_tiny
 from jetrl.models.tiny.sft import TinySFTConfig, _sft
@@ -126,12 +127,11 @@ def tiny_start_checkpoint(cache_dir: str | Path | None = None, *, seed: int = 0,
     final = tiny_start_dir(cache_dir, seed=seed, sft=sft)
     if not force and _is_complete(final, seed, cfg):
         return final
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=final.parent).close()
-    except OSError as e:
-        raise OSError(f"the tiny start's cache {final.parent} cannot be written ({e.strerror}): point JETRL_CACHE "
-                      "at a writable directory (unset, it is ~/.cache/jetrl)") from None
+    problem = unwritable(final.parent)
+    if problem:
+        raise OSError(f"the tiny start's cache {final.parent} cannot be written ({problem}): point JETRL_CACHE at a "
+                      "writable directory (unset, it is ~/.cache/jetrl)")
+    final.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_builds(final)
     print(f"jetrl: building the tiny start policy (SFT on synthetic addition, seed {seed}; ~2-3 min on 2 CPU "
           f"cores) into {final} ...", end=" ", flush=True)
