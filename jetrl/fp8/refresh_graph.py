@@ -28,7 +28,8 @@ serves FP8 linear layers whose rollout and training read one weight spec (every 
 ``JETRL_REFRESH_GRAPH=0`` (read when the refresh is built) keeps it eager.
 
 Numerics: the replay runs the eager refresh's kernels on the same inputs, so the codes and scales are its bits
-(tests/test_train_graphs.py compares them, and the graphed trainer's weights with the eager trainer's).
+(tests/test_refresh_graph.py compares them; tests/test_train_graphs.py the graphed trainer's weights with the eager
+trainer's).
 """
 
 from __future__ import annotations
