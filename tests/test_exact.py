@@ -9,16 +9,13 @@ for bit under `bf16`, `jet` and `jet_kv`, while the off-policy `fp8kv_rollout` a
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from jetrl.exact import exact_active, exact_requested, use_exact
 
 from .conftest import compile_for_sm90, requires_sm90
+from .subprocesses import run_interpreted
 
 INTERPRETER_SCRIPT = r"""
 import torch
@@ -31,7 +28,10 @@ bf = torch.bfloat16
 def close(a, b, tol):
     err = (a.float() - b.float()).abs().max().item()
     assert err <= tol, err
+"""
 
+# The kernels against their references, in two scripts run side by side: the linear kernels, then attention.
+INTERPRETER_SCRIPTS = [INTERPRETER_SCRIPT + r"""
 # linear: M not a tile multiple, a K tail (K = 200 is not a multiple of 64), bias
 x, w, b = torch.randn(70, 200, dtype=bf), torch.randn(130, 200, dtype=bf) * 0.1, torch.randn(130, dtype=bf)
 close(exact_linear_triton(x, w, b), exact_linear_reference(x, w, b), 0.07)
@@ -61,7 +61,8 @@ try:
     raise AssertionError("programs_k=2 accepted")
 except ValueError as e:
     assert "1 or this layer's 3 K splits" in str(e), e
-
+print("OK")
+""", INTERPRETER_SCRIPT + r"""
 # attention: causal training shape with GQA (H = 4, Hkv = 2), T not a tile multiple
 q, k, v = torch.randn(2, 4, 37, 32, dtype=bf), torch.randn(2, 2, 37, 32, dtype=bf), torch.randn(2, 2, 37, 32, dtype=bf)
 ref = exact_attention_reference(q, k, v, causal=True)
@@ -114,15 +115,12 @@ for pow2 in (True, False):
                                     v_scales=scales[1])
     assert torch.isfinite(cached.float()).all() and torch.equal(cached, masked), pow2
 print("OK")
-"""
+"""]
 
 
 def test_exact_kernels_match_references_in_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr[-3000:]
+    run_interpreted(*INTERPRETER_SCRIPTS)
 
 
 def test_exact_kernels_compile_for_sm90():

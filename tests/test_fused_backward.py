@@ -1,6 +1,6 @@
 """Fused backward kernels of RMSNorm / RoPE / SwiGLU against autograd through their references.
 
-The kernels run on CPU under ``TRITON_INTERPRET=1`` (one subprocess per op, as in test_fused_ops.py)
+The kernels run on CPU under ``TRITON_INTERPRET=1`` (one subprocess per op, side by side)
 and on the GPU at a training update's sizes. Tolerances, elementwise:
 
     |got - ref| <= k * ulp_dtype(ref) + c * 2^-24 * scale
@@ -15,14 +15,12 @@ reduction and no reordering: bit for bit. The fp32 sanity check (as gradcheck wo
 the autograd Functions match autograd of the reference within 1e-5 of the gradient's norm.
 """
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from .conftest import compile_for_sm90
+from .subprocesses import check_ran, interpret
 
 HEADER = r"""
 import torch
@@ -162,14 +160,16 @@ print("OK")
 """
 
 
-@pytest.mark.parametrize("name", ["rms_norm", "rope", "silu_mul"])
-def test_backward_kernels_match_reference_autograd_in_interpreter(name):
+@pytest.fixture(scope="module")
+def interpreted():
+    """The three scripts, run side by side once (tests/subprocesses.py); each test checks its own."""
     pytest.importorskip("triton")
-    script = HEADER + {"rms_norm": RMS_NORM, "rope": ROPE, "silu_mul": SILU_MUL}[name]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr[-3000:]
+    return interpret({"rms_norm": HEADER + RMS_NORM, "rope": HEADER + ROPE, "silu_mul": HEADER + SILU_MUL})
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "rope", "silu_mul"])
+def test_backward_kernels_match_reference_autograd_in_interpreter(interpreted, name):
+    check_ran(name, interpreted[name])
 
 
 def test_backward_kernels_compile_for_hopper():

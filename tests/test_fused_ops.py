@@ -8,9 +8,6 @@ autograd wrappers give the references' gradients (their backward kernels, one by
 tests/test_fused_backward.py).
 """
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,6 +19,8 @@ from jetrl.models.fused import (
     rms_norm_reference,
     use_fused_ops,
 )
+
+from .subprocesses import check_ran, interpret
 
 SCRIPT = r"""
 import torch
@@ -163,11 +162,16 @@ print("OK")
 """
 
 
-def test_fused_kernels_match_references_in_interpreter():
+@pytest.fixture(scope="module")
+def interpreted():
+    """This file's two interpreter scripts, run side by side once (tests/subprocesses.py); each test checks its
+    own."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr[-3000:]
+    return interpret({"fused": SCRIPT, "producer_quant": PRODUCER_QUANT_SCRIPT})
+
+
+def test_fused_kernels_match_references_in_interpreter(interpreted):
+    check_ran("fused", interpreted["fused"])
 
 
 PRODUCER_QUANT_SCRIPT = r"""
@@ -211,14 +215,10 @@ print("OK")
 """
 
 
-def test_producer_quantization_is_the_quantizers_in_interpreter():
+def test_producer_quantization_is_the_quantizers_in_interpreter(interpreted):
     """The norms and SwiGLU writing their FP8 consumer's input (jetrl/fp8/producer_quant.py): output unchanged,
     codes and scales bit-equal to the quantizer's."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", PRODUCER_QUANT_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr[-3000:]
+    check_ran("producer_quant", interpreted["producer_quant"])
 
 
 def test_fused_path_is_cuda_only_and_on_by_default(monkeypatch):

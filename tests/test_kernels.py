@@ -5,23 +5,22 @@ from torch's RNE cast (design.md §3); the kernel therefore rounds explicitly, a
 and scales must equal the reference's bit for bit, here and on the GPU (the bench checks).
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 pytest.importorskip("triton")
 
 from .conftest import compile_for_sm90  # noqa: E402 -- after the skip: needs Triton
+from .subprocesses import check_ran, interpret
+
+TRITON_QUANTIZER = {"JETRL_QUANT_BACKEND": "triton"}  # every ``quantize`` takes the Triton kernel too
 
 
-def _run_in_interpreter(script: str, triton_quantizer: bool = False) -> None:
-    """Run ``script`` in a fresh process under TRITON_INTERPRET=1 (``triton_quantizer``: every ``quantize``
-    takes the Triton kernel too); it must print OK."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", **({"JETRL_QUANT_BACKEND": "triton"} if triton_quantizer else {})}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.startswith("OK"), proc.stdout + proc.stderr[-3000:]
+@pytest.fixture(scope="module")
+def interpreted():
+    """Every interpreter script of this file, run side by side once (tests/subprocesses.py), the longest (~20 s)
+    first; each test checks its own."""
+    return interpret({"gemm": (GEMM_SCRIPT, TRITON_QUANTIZER), "quant": SCRIPT, "dual": (DUAL_SCRIPT, TRITON_QUANTIZER),
+                      "fake_quant_kv": FAKE_QUANT_KV_SCRIPT, "transpose": (TRANSPOSE_SCRIPT, TRITON_QUANTIZER)})
 
 
 SCRIPT = r"""
@@ -53,11 +52,11 @@ print("OK")
 """
 
 
-def test_quant_kernel_matches_reference_in_interpreter():
-    _run_in_interpreter(SCRIPT)
+def test_quant_kernel_matches_reference_in_interpreter(interpreted):
+    check_ran("quant", interpreted["quant"])
 
 
-DUAL_AND_GEMM_SCRIPT = r"""
+DUAL_AND_GEMM_HEADER = r"""
 import torch
 from jetrl.fp8 import override_backend
 from jetrl.fp8.gemm import fp8_gemm, gemm_emulated
@@ -69,6 +68,9 @@ def bits(t):
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.view(torch.int32)
 
 torch.manual_seed(0)
+"""
+# in two scripts, run side by side: the dual-layout and narrow-group quantizers, then the small-M GEMM and the rest
+DUAL_SCRIPT = DUAL_AND_GEMM_HEADER + r"""
 # fused dual-layout quantization == two reference calls, bit for bit (partial tiles, NaN, Inf, pow2)
 for shape, pow2, dtype in [((200, 300), False, torch.bfloat16), ((130, 256), True, torch.float32), ((1, 128), False, torch.float32)]:
     x = torch.randn(shape) * torch.exp(2 * torch.randn(shape))
@@ -105,6 +107,9 @@ rc, rs = quantize_reference(x, 1, 128, False)
 assert s.stride() == (1, 70) and torch.equal(bits(c), bits(rc)) and torch.equal(s, rs)
 q = quantize(x, col_major_scales=True)
 assert q.scales.stride() == (1, 70) and torch.equal(q.scales, rs)
+print("OK")
+"""
+GEMM_SCRIPT = DUAL_AND_GEMM_HEADER + r"""
 # small-M split-K GEMM vs the emulated spec: M=1 and partial M/N/K, with and without split-K, and
 # with the activation scales row- or column-major
 for m, n, k, cfg in [(1, 256, 384, None), (20, 200, 300, SmallMConfig(16, 64, 2)), (33, 128, 640, SmallMConfig(32, 64, 4))]:
@@ -145,8 +150,9 @@ print("OK")
 """
 
 
-def test_dual_quant_and_small_m_gemm_match_references_in_interpreter():
-    _run_in_interpreter(DUAL_AND_GEMM_SCRIPT, triton_quantizer=True)
+def test_dual_quant_and_small_m_gemm_match_references_in_interpreter(interpreted):
+    check_ran("dual", interpreted["dual"])
+    check_ran("gemm", interpreted["gemm"])
 
 
 FAKE_QUANT_KV_SCRIPT = r"""
@@ -199,8 +205,8 @@ print("OK")
 """
 
 
-def test_fake_quant_kv_kernel_matches_reference_in_interpreter():
-    _run_in_interpreter(FAKE_QUANT_KV_SCRIPT)
+def test_fake_quant_kv_kernel_matches_reference_in_interpreter(interpreted):
+    check_ran("fake_quant_kv", interpreted["fake_quant_kv"])
 
 
 def test_gpu_paths_compile_for_hopper():
@@ -356,8 +362,8 @@ print("OK")
 """
 
 
-def test_code_transpose_matches_reference_in_interpreter():
-    _run_in_interpreter(TRANSPOSE_SCRIPT, triton_quantizer=True)
+def test_code_transpose_matches_reference_in_interpreter(interpreted):
+    check_ran("transpose", interpreted["transpose"])
 
 
 def test_fused_kernels_need_sm89_and_older_gpus_run_pytorch_ops(monkeypatch):

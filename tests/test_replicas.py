@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -194,8 +195,11 @@ def test_two_ranks_train_bit_for_bit_as_one_process(tmp_path, options):
     in the whole step: two ranks with micro-batches of 8 end with the very weights of one process that accumulates
     the same two micro-batches (a sum of two gradients is exact in either order)."""
     two, one = tmp_path / "two", tmp_path / "one"
-    _check_run_of_two_ranks(two, _train(two, "cpu", 2, "grpo.per_device_train_batch_size=8", *options))
-    _train(one, "cpu", 1, "grpo.per_device_train_batch_size=8", "grpo.gradient_accumulation_steps=2", *options)
+    with ThreadPoolExecutor(2) as pool:  # the two runs side by side
+        one_run = pool.submit(_train, one, "cpu", 1, "grpo.per_device_train_batch_size=8",
+                              "grpo.gradient_accumulation_steps=2", *options)
+        _check_run_of_two_ranks(two, _train(two, "cpu", 2, "grpo.per_device_train_batch_size=8", *options))
+        one_run.result()
     weights = "checkpoints/step_000002/model.safetensors"
     assert (two / weights).read_bytes() == (one / weights).read_bytes()
     rows = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (two, one)]

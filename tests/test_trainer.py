@@ -23,6 +23,8 @@ from jetrl.rl.config import GRPOConfig
 from jetrl.rl.metrics import MISMATCH_KEYS
 from jetrl.rl.trainer import GRPOTrainer, NonFiniteStepError
 
+from .subprocesses import ONE_THREAD, run_python
+
 ARGS = dict(learning_rate=1e-3, num_generations=4, generation_batch_size=16, per_device_train_batch_size=8,
             gradient_accumulation_steps=2, max_prompt_length=64, max_completion_length=6)
 
@@ -303,25 +305,32 @@ def _final_state(run_dir):
 @pytest.mark.slow
 def test_kill_dash_9_then_resume_is_bitwise_identical(random_checkpoint, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    full = tmp_path / "full"
+    full, killed = tmp_path / "full", tmp_path / "killed"
     # the default deterministic=true is what makes a GPU run (and so its resume) bit-reproducible
-    # (jetrl/run/determinism.py); the resumed run reads it back from its config.yaml
-    proc = subprocess.run(_job(random_checkpoint, full), capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    # (jetrl/run/determinism.py); the resumed run reads it back from its config.yaml. The whole run and the one to
+    # kill run side by side, one core each.
+    whole = subprocess.Popen(_job(random_checkpoint, full), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env)
+    job = subprocess.Popen(_job(random_checkpoint, killed), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.time() + 300
+        while not (killed / "checkpoints" / "step_000004" / "trainer_state.pt").exists():
+            assert job.poll() is None and time.time() < deadline, "the run ended before it could be killed"
+            time.sleep(0.05)
+        job.send_signal(signal.SIGKILL)
+        job.wait()
+        stdout, stderr = whole.communicate(timeout=600)
+    finally:
+        for proc in (whole, job):
+            if proc.poll() is None:
+                proc.kill()
+    assert whole.returncode == 0, stderr[-2000:]
+    result = json.loads(stdout.strip().splitlines()[-1])
     assert result["steps"] == 6 and result["run_dir"] == str(full)
     assert f"name: {random_checkpoint.resolve()}" in (full / "config.yaml").read_text()  # the start, pinned
     assert set(result["mismatch"]) == set(MISMATCH_KEYS)
 
-    killed = tmp_path / "killed"
-    job = subprocess.Popen(_job(random_checkpoint, killed), stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, env=env)
-    deadline = time.time() + 300
-    while not (killed / "checkpoints" / "step_000004" / "trainer_state.pt").exists():
-        assert job.poll() is None and time.time() < deadline, "the run ended before it could be killed"
-        time.sleep(0.05)
-    job.send_signal(signal.SIGKILL)
-    job.wait()
     latest = killed / "checkpoints" / (killed / "checkpoints" / "latest").read_text()
     assert (latest / "trainer_state.pt").exists() and (latest / "model.safetensors").exists()  # never half-written
     resumed = subprocess.run([sys.executable, "-m", "jetrl", "train", "--run-dir", str(killed), "--resume"],
@@ -367,25 +376,23 @@ def test_train_checks_the_prompts_before_the_weights_load(random_checkpoint, tmp
 def test_generate_and_eval_commands(random_checkpoint, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "What is 1 + 2?"}) + "\n" + json.dumps({"prompt": "What is 3 + 4?"}) + "\n")
-    proc = subprocess.run([sys.executable, "-m", "jetrl", "generate", "--model", str(random_checkpoint),
-                           "--prompts-file", str(prompts), "--prompt", "What is 5 + 6?", "--n", "2",
-                           "--temperature", "1.0", "--max-tokens", "5", "--logprobs"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    commands = [  # three processes, side by side
+        ["generate", "--model", str(random_checkpoint), "--prompts-file", str(prompts), "--prompt", "What is 5 + 6?",
+         "--n", "2", "--temperature", "1.0", "--max-tokens", "5", "--logprobs"],
+        ["generate", "--model", str(random_checkpoint), "--prompt", "What is 5 + 6?", "--recipe", "jet_kv",
+         "--max-tokens", "5", "--logprobs"],  # the FP8 KV cache path of the CLI
+        ["eval", "--preset", "tiny", "--model", str(random_checkpoint), "task.source=synthetic", "task.num_train=8",
+         "task.num_eval=6", "grpo.max_completion_length=5", "--num-samples", "3", "--temperature", "1.0"]]
+    env = {**os.environ, **ONE_THREAD}
+    generated, generated_kv, evaluated = run_python([(["-m", "jetrl", *cmd], env) for cmd in commands], timeout=300)
+    for proc in (generated, generated_kv, evaluated):
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [json.loads(line) for line in generated.stdout.strip().splitlines()]
     assert len(lines) == 6 and {(x["prompt_index"], x["sample_index"]) for x in lines} == {(i, j) for i in range(3) for j in range(2)}
     assert all(len(x["logprobs"]) == len(x["token_ids"]) and all(lp <= 0 for lp in x["logprobs"]) for x in lines)
-    proc = subprocess.run([sys.executable, "-m", "jetrl", "generate", "--model", str(random_checkpoint),
-                           "--prompt", "What is 5 + 6?", "--recipe", "jet_kv", "--max-tokens", "5", "--logprobs"],
-                          capture_output=True, text=True, timeout=300)  # the FP8 KV cache path of the CLI
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    (line,) = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    (line,) = [json.loads(line) for line in generated_kv.stdout.strip().splitlines()]
     assert len(line["token_ids"]) == len(line["logprobs"]) >= 1
-    proc = subprocess.run([sys.executable, "-m", "jetrl", "eval", "--preset", "tiny", "--model", str(random_checkpoint),
-                           "task.source=synthetic", "task.num_train=8", "task.num_eval=6", "grpo.max_completion_length=5",
-                           "--num-samples", "3", "--temperature", "1.0"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(evaluated.stdout.strip().splitlines()[-1])
     assert result["num_problems"] == 6 and 0 <= result["pass@1"] <= result["pass@3"] <= 1
 
 
