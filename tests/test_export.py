@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -30,6 +29,8 @@ from jetrl.fp8.quant import Float8Blocks  # noqa: E402
 from jetrl.fp8.weight_cache import WeightCache  # noqa: E402
 from jetrl.models import CheckpointError, TokenizerError, load_pretrained, load_tokenizer, save_pretrained  # noqa: E402
 from jetrl.models.export import export_checkpoint, export_model, resolve_checkpoint  # noqa: E402
+
+from .subprocesses import ONE_THREAD, run_python
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
@@ -474,19 +475,27 @@ def test_cli_export(aligned, tmp_path, capsys, fmt):
             assert torch.equal(i32(m.quantized_weight().scales), i32(ref.scales))
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--run", "{tmp}/missing", "--format", "bf16"], "does not exist"),
-        (["--run", "{src}", "--format", "fp4"], "unknown --format 'fp4'; choose one of bf16, fp8"),
-        (["--run", "{src}", "--format", "fp8", "--recipe", "fp4"], "unknown recipe 'fp4'"),
-        (["--run", "{src}", "--format", "fp8", "--recipe", "bf16"], "has no FP8 weights; export with --format bf16"),
-    ],
-)
-def test_cli_export_errors_are_one_line(aligned, tmp_path, args, message):
-    _, _, d = aligned
-    argv = [a.format(tmp=tmp_path, src=d) for a in args] + ["--out", str(tmp_path / "out")]
-    proc = subprocess.run([sys.executable, "-m", "jetrl", "export", *argv], capture_output=True, text=True, check=False)
+EXPORT_ERRORS = [
+    (["--run", "{tmp}/missing", "--format", "bf16"], "does not exist"),
+    (["--run", "{src}", "--format", "fp4"], "unknown --format 'fp4'; choose one of bf16, fp8"),
+    (["--run", "{src}", "--format", "fp8", "--recipe", "fp4"], "unknown recipe 'fp4'"),
+    (["--run", "{src}", "--format", "fp8", "--recipe", "bf16"], "has no FP8 weights; export with --format bf16"),
+]
+
+
+@pytest.fixture(scope="module")
+def export_errors(make_src, tmp_path_factory) -> list[subprocess.CompletedProcess]:
+    """Every command of EXPORT_ERRORS, side by side (tests/subprocesses.py)."""
+    _, _, d = make_src("aligned")
+    tmp = tmp_path_factory.mktemp("export-errors")
+    argvs = [[a.format(tmp=tmp, src=d) for a in args] + ["--out", str(tmp / f"out{i}")]
+             for i, (args, _) in enumerate(EXPORT_ERRORS)]
+    return run_python([(["-m", "jetrl", "export", *argv], {**os.environ, **ONE_THREAD}) for argv in argvs], timeout=300)
+
+
+@pytest.mark.parametrize("case", range(len(EXPORT_ERRORS)), ids=[message for _, message in EXPORT_ERRORS])
+def test_cli_export_errors_are_one_line(export_errors, case):
+    message, proc = EXPORT_ERRORS[case][1], export_errors[case]
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("jetrl export: error: ") and message in lines[0], proc.stderr

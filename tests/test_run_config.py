@@ -11,6 +11,8 @@ from jetrl.rl.config import GRPOConfig
 from jetrl.run.config import RunConfig, resolve_config
 from jetrl.run.presets import PRESETS, get_preset
 
+from .subprocesses import ONE_THREAD, run_python
+
 
 def test_every_preset_builds_and_validates():
     for name in PRESETS:
@@ -103,21 +105,27 @@ def test_unknown_preset_and_help():
     assert GRPOConfig.field_help()["num_generations"].startswith("completions per prompt")
 
 
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["train", "--preset", "huge"], "unknown preset 'huge'"),
-        (["train", "--recipe", "fp4"], "recipe='fp4'"),
-        (["train", "--config", "/nonexistent.yaml"], "config file /nonexistent.yaml does not exist"),
-        (["train", "--resume"], "--resume needs --run-dir"),
-        (["train", "task.source=file", "task.path=/no/such.jsonl"], "dataset file not found: /no/such.jsonl"),
-        (["generate", "--model", "/no/such/dir", "--prompt", "hi"], "neither 'tiny', 'smollm2' nor an existing"),
-        (["eval", "--run", "/no/such/run", "task.num_eval=2"], "--run evaluates with the config that run was"),
-        (["eval", "--preset", "tiny", "--num-samples", "0"], "--num-samples 0 must be >= 1"),
-    ],
-)
-def test_cli_errors_are_one_line(argv, message):
-    proc = subprocess.run([sys.executable, "-m", "jetrl", *argv], capture_output=True, text=True, timeout=300)
+CLI_ERRORS = [
+    (["train", "--preset", "huge"], "unknown preset 'huge'"),
+    (["train", "--recipe", "fp4"], "recipe='fp4'"),
+    (["train", "--config", "/nonexistent.yaml"], "config file /nonexistent.yaml does not exist"),
+    (["train", "--resume"], "--resume needs --run-dir"),
+    (["train", "task.source=file", "task.path=/no/such.jsonl"], "dataset file not found: /no/such.jsonl"),
+    (["generate", "--model", "/no/such/dir", "--prompt", "hi"], "neither 'tiny', 'smollm2' nor an existing"),
+    (["eval", "--run", "/no/such/run", "task.num_eval=2"], "--run evaluates with the config that run was"),
+    (["eval", "--preset", "tiny", "--num-samples", "0"], "--num-samples 0 must be >= 1"),
+]
+
+
+@pytest.fixture(scope="module")
+def cli_errors() -> list[subprocess.CompletedProcess]:
+    """Every command of CLI_ERRORS, side by side (tests/subprocesses.py)."""
+    return run_python([(["-m", "jetrl", *argv], {**os.environ, **ONE_THREAD}) for argv, _ in CLI_ERRORS], timeout=300)
+
+
+@pytest.mark.parametrize("case", range(len(CLI_ERRORS)), ids=[message for _, message in CLI_ERRORS])
+def test_cli_errors_are_one_line(cli_errors, case):
+    message, proc = CLI_ERRORS[case][1], cli_errors[case]
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
