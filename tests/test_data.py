@@ -253,6 +253,34 @@ def test_missing_and_empty_parquet(tmp_path):
         load_records(tmp_path / "empty.parquet")
 
 
+def test_a_glob_reads_a_splits_shards_and_a_directory_is_refused(tmp_path):
+    """HF dataset repos shard a split (data/train-00000-of-00002.parquet, ...) next to the other splits' files: a
+    glob reads the split's shards in name order; a directory, which would mix in the held-out split, is an error
+    naming its files and the glob to give."""
+    train, _ = synthetic_split(6, 0, seed=1)
+    held_out, _ = synthetic_split(2, 0, seed=2)
+    data = tmp_path / "data"
+    data.mkdir()
+    save_records(train[3:], data / "train-00001-of-00002.parquet")
+    save_records(train[:3], data / "train-00000-of-00002.jsonl")
+    save_records(held_out, data / "test-00000-of-00001.parquet")
+    (data / "README.md").write_text("a dataset card")
+    got = load_records(data / "train-*")
+    assert [r["prompt"] for r in got] == [r["prompt"] for r in train]
+    (tmp_path / "gsm-00000-of-00001.jsonl").write_text('{"question": "1 + 1?", "answer": "2"}\n')
+    assert load_records(tmp_path / "gsm-*.jsonl")[0]["task"] == "gsm"  # a shard's task: its stem, unnumbered
+    assert [r["ground_truth"] for r in load_records(str(data / "test-*.parquet"))] == [r["ground_truth"]
+                                                                                       for r in held_out]
+    with pytest.raises(DatasetError, match=r"is a directory \(it holds test-00000-of-00001.parquet, train-00000-of-"
+                                           r"00002.jsonl, train-00001-of-00002.parquet\): name one file, or a split's "
+                                           r"shards with a glob, e.g. .*data/train-\*.parquet"):
+        load_records(data)
+    with pytest.raises(DatasetError, match="no dataset file matches .*validation-"):
+        load_records(data / "validation-*.parquet")
+    with pytest.raises(DatasetError, match=r"README.md: unsupported dataset format '.md'"):
+        load_records(data / "*")
+
+
 def test_split_eval():
     records = synthetic_split(50, 0, seed=0)[0]
     train, held_out = split_eval(records, 0.2, seed=1)

@@ -8,17 +8,26 @@ one of two shapes, both normalized to the record schema (``records.py``):
   or ``solution`` (a GSM8K ``"... #### 72"`` answer is fine: the math reward reads after ####).
 
 The gold answer is looked up in that order; ``task`` is ``task``, else ``data_source``, else
-the file's stem. A ``metadata`` dict (or its JSON string, as ``save_records`` writes it to
-parquet) is kept, and so is every other column, for the reward functions (records.py).
+the file's stem (a shard's without its ``-00000-of-00004``). A ``metadata`` dict (or its JSON
+string, as ``save_records`` writes it to parquet) is kept, and so is every other column, for the
+reward functions (records.py).
 ``.json`` files may hold a JSON array or JSON lines. Parquet is read with pyarrow (pandas as a
 fallback), imported only when a parquet file is read. Every problem with the file is one
 ``DatasetError`` line naming the file and, for jsonl, the line number.
+
+A path may also be a glob (``data/train-*.parquet``): the records of every match, files in name order,
+which is how HF dataset repos shard a split. A directory is refused, with its dataset files named: a repo
+directory usually holds every split side by side (``train-*``, ``test-*``), and reading them all would train
+on the held-out problems.
 """
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import random
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +37,7 @@ from jetrl.data.records import RECORD_KEYS, Record, json_safe, make_record
 GOLD_KEYS = ("reward_model.ground_truth", "ground_truth", "answer", "solution")
 PROMPT_KEYS = ("prompt", "question", "problem")  # "problem": MATH, NuminaMath, open-r1
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+SHARD_SUFFIX = re.compile(r"-\d+-of-\d+$")  # HF's shard names: train-00000-of-00004
 
 
 class DatasetError(ValueError):
@@ -142,23 +152,43 @@ def _read_parquet(path: Path) -> list[tuple[str, Any]]:
     return [(f"{path}: row {i}", row) for i, row in enumerate(rows)]
 
 
-def load_records(path: str | Path, *, default_task: str | None = None, require_answer: bool = True) -> list[Record]:
-    """All records of a .jsonl/.json/.parquet file, normalized (see the module docstring); ``require_answer=False``
-    keeps rows without a gold answer."""
+def dataset_files(path: str | Path) -> list[Path]:
+    """The files ``path`` names: itself, or a glob's matches in name order (the module docstring); a missing
+    file, a glob without a match or a directory is a DatasetError saying what to give instead."""
+    text = str(path)
+    if any(c in text for c in "*?["):
+        matches = sorted(Path(m) for m in glob.glob(os.path.expanduser(text)) if Path(m).is_file())
+        if not matches:
+            raise DatasetError(f"no dataset file matches {text}")
+        return matches
     path = Path(path)
+    if path.is_dir():
+        found = sorted(f.name for f in path.iterdir() if f.suffix in (*JSON_SUFFIXES, ".parquet") and f.is_file())
+        listed = f" (it holds {', '.join(found[:6])}{', ...' if len(found) > 6 else ''})" if found else ""
+        raise DatasetError(f"dataset path {path} is a directory{listed}: name one file, or a split's shards with a "
+                           f"glob, e.g. {path / 'train-*.parquet'}")
     if not path.is_file():
-        raise DatasetError(f"dataset file not found: {path}" + (" (it is a directory)" if path.is_dir() else ""))
-    if path.suffix in JSON_SUFFIXES:
-        rows = _read_json(path)
-    elif path.suffix == ".parquet":
-        rows = _read_parquet(path)
-    else:
-        raise DatasetError(f"{path}: unsupported dataset format {path.suffix!r}; use .jsonl, .json or .parquet")
-    if not rows:
-        raise DatasetError(f"{path}: dataset file is empty (no records)")
-    task = default_task or path.stem
-    return [normalize_record(row, where=where, default_task=task, require_answer=require_answer)
-            for where, row in rows]
+        raise DatasetError(f"dataset file not found: {path}")
+    return [path]
+
+
+def load_records(path: str | Path, *, default_task: str | None = None, require_answer: bool = True) -> list[Record]:
+    """All records of a .jsonl/.json/.parquet file, or of a glob's files (:func:`dataset_files`), normalized (see
+    the module docstring); ``require_answer=False`` keeps rows without a gold answer."""
+    records = []
+    for file in dataset_files(path):
+        if file.suffix in JSON_SUFFIXES:
+            rows = _read_json(file)
+        elif file.suffix == ".parquet":
+            rows = _read_parquet(file)
+        else:
+            raise DatasetError(f"{file}: unsupported dataset format {file.suffix!r}; use .jsonl, .json or .parquet")
+        if not rows:
+            raise DatasetError(f"{file}: dataset file is empty (no records)")
+        task = default_task or SHARD_SUFFIX.sub("", file.stem)
+        records += [normalize_record(row, where=where, default_task=task, require_answer=require_answer)
+                    for where, row in rows]
+    return records
 
 
 def save_records(records: Sequence[Record], path: str | Path) -> None:

@@ -48,8 +48,10 @@ class TaskConfig:
     source: str = _f("synthetic", "'tiny_adder' (the tiny start's own split), 'synthetic' (arithmetic), "
                                   "'reasoning_gym' or 'file' (jsonl/parquet)")
     name: str = _f("+", "synthetic: operators like '+' or '+*'; reasoning_gym: the task name, e.g. 'chain_sum'")
-    path: str | None = _f(None, "file: training data (jsonl or parquet; verl format or plain)")
-    eval_path: str | None = _f(None, "file: held-out data; None splits num_eval records off the training file")
+    path: str | None = _f(None, "file: training data (jsonl or parquet; verl format or plain), or a glob of a "
+                                "split's shards ('data/train-*.parquet')")
+    eval_path: str | None = _f(None, "file: held-out data (a file or a glob); None splits num_eval records off the "
+                                     "training data")
     num_train: int = _f(2000, "training problems (synthetic / reasoning_gym / tiny_adder; a file source trains on "
                               "all its records)")
     num_eval: int = _f(200, "held-out problems")
