@@ -373,6 +373,35 @@ def test_train_checks_the_prompts_before_the_weights_load(random_checkpoint, tmp
         train.run_training(cfg)
 
 
+def test_a_run_records_its_data_paths_absolute(random_checkpoint, tmp_path, monkeypatch):
+    """Relative task.path / task.eval_path (a glob too) are recorded absolute, as the model is, so a resume or `jetrl
+    eval --run` from another directory reads the same files."""
+    from jetrl.data import save_records
+    from jetrl.run import train
+    from jetrl.run.config import resolve_config
+    from jetrl.run.presets import get_preset
+
+    class Loaded(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Loaded
+
+    records, held_out = synthetic_split(8, 2, 0)
+    (tmp_path / "data").mkdir()
+    save_records(records, tmp_path / "data" / "train-00000-of-00001.jsonl")
+    save_records(held_out, tmp_path / "data" / "test.jsonl")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train, "load_model", stop)
+    cfg = resolve_config(get_preset("tiny"), overrides=[f"model.name={random_checkpoint}", "task.source=file",
+                                                        "task.path=data/train-*", "task.eval_path=data/test.jsonl",
+                                                        f"run_dir={tmp_path / 'run'}"])
+    with pytest.raises(Loaded):
+        train.run_training(cfg)
+    assert (cfg.task.path, cfg.task.eval_path) == (str(tmp_path / "data" / "train-*"), str(tmp_path / "data" /
+                                                                                          "test.jsonl"))
+
+
 def test_generate_and_eval_commands(random_checkpoint, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "What is 1 + 2?"}) + "\n" + json.dumps({"prompt": "What is 3 + 4?"}) + "\n")

@@ -161,7 +161,7 @@ def dataset_files(path: str | Path) -> list[Path]:
         if not matches:
             raise DatasetError(f"no dataset file matches {text}")
         return matches
-    path = Path(path)
+    path = Path(path).expanduser()
     if path.is_dir():
         found = sorted(f.name for f in path.iterdir() if f.suffix in (*JSON_SUFFIXES, ".parquet") and f.is_file())
         listed = f" (it holds {', '.join(found[:6])}{', ...' if len(found) > 6 else ''})" if found else ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from jetrl.data import load_records, reasoning_gym_records, split_eval, synthetic_split
@@ -38,6 +39,14 @@ def load_task(task: Any) -> tuple[list[dict], list[dict]]:
     if task.num_eval == 0:
         return records, []
     return _held_out(records, task, str(task.path), "give task.eval_path")
+
+
+def pin_data_paths(task: Any) -> None:
+    """Make ``task.path`` and ``task.eval_path`` (files or globs) absolute, for the run's config.yaml."""
+    for name in ("path", "eval_path"):
+        value = getattr(task, name)
+        if value:
+            setattr(task, name, str(Path(value).expanduser().absolute()))
 
 
 def _held_out(records: list[dict], task: Any, where: str, other: str) -> tuple[list[dict], list[dict]]:

@@ -46,7 +46,7 @@ from jetrl.run.config import RunConfig, from_dict
 from jetrl.run.determinism import deterministic_algorithms
 from jetrl.run.evaluate import evaluate
 from jetrl.run.models import load_model, model_path, pinned_model_name
-from jetrl.run.tasks import load_task
+from jetrl.run.tasks import load_task, pin_data_paths
 
 
 def load_run_config(run_dir: str | Path) -> RunConfig:
@@ -106,6 +106,8 @@ def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str)
 
     # cheap checks first: data and reward names fail before a model is built or loaded
     train_records, eval_records = load_task(cfg.task)
+    if not resume:  # recorded absolute, like the model: a resume or `jetrl eval --run` from another directory
+        pin_data_paths(cfg.task)
     resolve_reward_funcs(cfg.task.reward_funcs)
     cfg.grpo.generation_batch_size_per_rank(replicas.world_size)  # the step splits over the ranks
     if device == "auto":
