@@ -38,6 +38,11 @@ def run_python(jobs: list[tuple[list[str], dict[str, str]]], timeout: float) -> 
         return list(pool.map(one, jobs))
 
 
+def run_jetrl(*argvs: list[str], timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """``python -m jetrl ARGV`` for each argv, side by side, one thread each; results in order."""
+    return run_python([(["-m", "jetrl", *argv], {**os.environ, **ONE_THREAD}) for argv in argvs], timeout)
+
+
 Script = str | tuple[str, dict[str, str | None]]  # a script, or (script, extra environment; None unsets)
 
 

@@ -30,7 +30,7 @@ from jetrl.fp8.weight_cache import WeightCache  # noqa: E402
 from jetrl.models import CheckpointError, TokenizerError, load_pretrained, load_tokenizer, save_pretrained  # noqa: E402
 from jetrl.models.export import export_checkpoint, export_model, resolve_checkpoint  # noqa: E402
 
-from .subprocesses import ONE_THREAD, run_python
+from .subprocesses import run_jetrl
 
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
@@ -486,11 +486,9 @@ EXPORT_ERRORS = [
 @pytest.fixture(scope="module")
 def export_errors(make_src, tmp_path_factory) -> list[subprocess.CompletedProcess]:
     """Every command of EXPORT_ERRORS, side by side (tests/subprocesses.py)."""
-    _, _, d = make_src("aligned")
-    tmp = tmp_path_factory.mktemp("export-errors")
-    argvs = [[a.format(tmp=tmp, src=d) for a in args] + ["--out", str(tmp / f"out{i}")]
-             for i, (args, _) in enumerate(EXPORT_ERRORS)]
-    return run_python([(["-m", "jetrl", "export", *argv], {**os.environ, **ONE_THREAD}) for argv in argvs], timeout=300)
+    src, tmp = make_src("aligned")[2], tmp_path_factory.mktemp("export-errors")
+    return run_jetrl(*(["export", *(a.format(tmp=tmp, src=src) for a in args), "--out", str(tmp / f"out{i}")]
+                       for i, (args, _) in enumerate(EXPORT_ERRORS)))
 
 
 @pytest.mark.parametrize("case", range(len(EXPORT_ERRORS)), ids=[message for _, message in EXPORT_ERRORS])

@@ -11,7 +11,7 @@ from jetrl.rl.config import GRPOConfig
 from jetrl.run.config import RunConfig, resolve_config
 from jetrl.run.presets import PRESETS, get_preset
 
-from .subprocesses import ONE_THREAD, run_python
+from .subprocesses import run_jetrl
 
 
 def test_every_preset_builds_and_validates():
@@ -120,7 +120,7 @@ CLI_ERRORS = [
 @pytest.fixture(scope="module")
 def cli_errors() -> list[subprocess.CompletedProcess]:
     """Every command of CLI_ERRORS, side by side (tests/subprocesses.py)."""
-    return run_python([(["-m", "jetrl", *argv], {**os.environ, **ONE_THREAD}) for argv, _ in CLI_ERRORS], timeout=300)
+    return run_jetrl(*(argv for argv, _ in CLI_ERRORS))
 
 
 @pytest.mark.parametrize("case", range(len(CLI_ERRORS)), ids=[message for _, message in CLI_ERRORS])

@@ -13,24 +13,23 @@ Margins, from the runs in docs/benchmarks.md ("Embedded default and tiny preset"
 """
 
 import json
-import os
 
 import pytest
 
 from jetrl.rl.metrics import MISMATCH_KEYS
 
-from .subprocesses import ONE_THREAD, run_python
+from .subprocesses import run_jetrl
 
 RECIPES = ("bf16", "fp8_rollout", "jet", "jet_kv")
 
 
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory):
-    jobs = [(["-m", "jetrl", "train", "--preset", "tiny", "--recipe", recipe, "--run-dir",
-              str(tmp_path_factory.mktemp(f"tiny_{recipe}")), "progress=false"], {**os.environ, **ONE_THREAD})
-            for recipe in RECIPES]
+    runs = run_jetrl(*(["train", "--preset", "tiny", "--recipe", recipe, "--run-dir",
+                        str(tmp_path_factory.mktemp(f"tiny_{recipe}")), "progress=false"] for recipe in RECIPES),
+                     timeout=900)  # side by side, one core each
     results = {}
-    for recipe, proc in zip(RECIPES, run_python(jobs, timeout=900)):  # side by side, one core each
+    for recipe, proc in zip(RECIPES, runs):
         assert proc.returncode == 0, f"{recipe}: {proc.stderr[-3000:]}"
         results[recipe] = json.loads(proc.stdout.strip().splitlines()[-1])
     return results

@@ -23,7 +23,7 @@ from jetrl.rl.config import GRPOConfig
 from jetrl.rl.metrics import MISMATCH_KEYS
 from jetrl.rl.trainer import GRPOTrainer, NonFiniteStepError
 
-from .subprocesses import ONE_THREAD, run_python
+from .subprocesses import run_jetrl
 
 ARGS = dict(learning_rate=1e-3, num_generations=4, generation_batch_size=16, per_device_train_batch_size=8,
             gradient_accumulation_steps=2, max_prompt_length=64, max_completion_length=6)
@@ -412,8 +412,7 @@ def test_generate_and_eval_commands(random_checkpoint, tmp_path):
          "--max-tokens", "5", "--logprobs"],  # the FP8 KV cache path of the CLI
         ["eval", "--preset", "tiny", "--model", str(random_checkpoint), "task.source=synthetic", "task.num_train=8",
          "task.num_eval=6", "grpo.max_completion_length=5", "--num-samples", "3", "--temperature", "1.0"]]
-    env = {**os.environ, **ONE_THREAD}
-    generated, generated_kv, evaluated = run_python([(["-m", "jetrl", *cmd], env) for cmd in commands], timeout=300)
+    generated, generated_kv, evaluated = run_jetrl(*commands)
     for proc in (generated, generated_kv, evaluated):
         assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [json.loads(line) for line in generated.stdout.strip().splitlines()]
