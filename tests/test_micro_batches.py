@@ -100,19 +100,21 @@ def _batch() -> RolloutBatch:
                               [i != 4 for i in range(ROWS)])
 
 
-def _trainer(group_by_length: bool, loss_type: str, recipe: str) -> GRPOTrainer:
+def _trainer(group_by_length: bool, loss_type: str, recipe: str, level: str = "token") -> GRPOTrainer:
     torch.manual_seed(0)
     args = GRPOConfig(learning_rate=1e-9, num_generations=2, generation_batch_size=ROWS, per_device_train_batch_size=4,
                       gradient_accumulation_steps=2, max_prompt_length=32, max_completion_length=12,
-                      loss_type=loss_type, max_grad_norm=0.0, old_logprobs="recompute", group_by_length=group_by_length)
+                      loss_type=loss_type, max_grad_norm=0.0, old_logprobs="recompute", group_by_length=group_by_length,
+                      importance_sampling_level=level)
     train, _ = synthetic_split(16, 0, 0)
     return GRPOTrainer(CausalLM(tiny_model_config()), "math", args, train, tokenizer=Tokenizer(build_tiny_tokenizer()),
                        recipe=recipe)
 
 
-def _update(group_by_length: bool, loss_type: str, recipe: str) -> tuple[torch.Tensor, list[torch.Tensor], dict]:
+def _update(group_by_length: bool, loss_type: str, recipe: str, level: str = "token"
+            ) -> tuple[torch.Tensor, list[torch.Tensor], dict]:
     """The old logprobs (on completion tokens), each optimizer step's gradient (flattened) and the logged metrics."""
-    trainer, batch = _trainer(group_by_length, loss_type, recipe), _batch()
+    trainer, batch = _trainer(group_by_length, loss_type, recipe, level), _batch()
     grads: list[torch.Tensor] = []
     trainer.optimizer.register_step_pre_hook(
         lambda opt, *_: grads.append(torch.cat([p.grad.detach().flatten() for p in trainer.model.parameters()])))
@@ -125,11 +127,12 @@ def _update(group_by_length: bool, loss_type: str, recipe: str) -> tuple[torch.T
     return old, grads, metrics
 
 
-@pytest.mark.parametrize(("loss_type", "recipe"), [("dapo", "bf16"), ("grpo", "bf16"), ("bnpo", "bf16"),
-                                                   ("dapo", "jet")])
-def test_grouped_update_is_the_same_step(loss_type, recipe):
-    old_plain, grads_plain, plain = _update(False, loss_type, recipe)
-    old_grouped, grads_grouped, grouped = _update(True, loss_type, recipe)
+@pytest.mark.parametrize(("loss_type", "recipe", "level"), [
+    ("dapo", "bf16", "token"), ("grpo", "bf16", "token"), ("bnpo", "bf16", "token"), ("dapo", "jet", "token"),
+    ("grpo", "bf16", "sequence")])  # GSPO: each row's ratio is its own tokens' mean, wherever the row is placed
+def test_grouped_update_is_the_same_step(loss_type, recipe, level):
+    old_plain, grads_plain, plain = _update(False, loss_type, recipe, level)
+    old_grouped, grads_grouped, grouped = _update(True, loss_type, recipe, level)
     assert torch.equal(old_plain, old_grouped)  # a row's logprobs do not depend on its neighbours (CPU)
     assert len(grads_plain) == len(grads_grouped) == 2
     for a, b in zip(grads_plain, grads_grouped, strict=True):

@@ -44,6 +44,37 @@ def test_policy_loss_by_hand():
     assert stats["clip_ratio/low_mean"] == pytest.approx(0.5)
 
 
+def test_gspo_sequence_ratio_by_hand():
+    """importance_sampling_level='sequence' (GSPO): one ratio per completion, exp of its tokens' mean log ratio,
+    clipped as a whole; padding is outside the mean. 'sequence_token' (GSPO-token) has the same values and, under
+    the per-sequence mean (loss_type 'grpo'), the same gradient."""
+    lp = torch.tensor([[math.log(1.5), math.log(0.5), 7.0], [math.log(1.1), 0.0, 0.0]], requires_grad=True)
+    old = torch.zeros(2, 3)
+    adv = torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])  # row 0's last token is padding (its lp never counts)
+    r0, r1 = math.sqrt(1.5 * 0.5), 1.1 ** (1 / 3)  # geometric means: 0.866, 1.032
+    kw = {"epsilon_low": 0.1, "epsilon_high": 0.1, "loss_type": "grpo"}
+    loss, stats = policy_loss(lp, old, adv, mask, importance_sampling_level="sequence", **kw)
+    # row 0: A > 0, ratio 0.866 below the clip (min picks the ratio); row 1: A < 0, -min(-1.032, -0.9) = 1.032
+    assert loss.item() == pytest.approx((-r0 + r1) / 2)
+    assert stats["ratio_mean"] == pytest.approx((2 * r0 + 3 * r1) / 5)
+    (grad,) = torch.autograd.grad(loss, lp)
+    # d ratio_i / d lp_it = ratio_i / |y_i|, and the mean over the two sequences halves it
+    assert grad[0, :2].tolist() == pytest.approx([-r0 / 2 / 2] * 2) and grad[0, 2] == 0
+    assert grad[1].tolist() == pytest.approx([r1 / 3 / 2] * 3)
+    token, _ = policy_loss(lp, old, adv, mask, importance_sampling_level="sequence_token", **kw)
+    assert token.item() == pytest.approx(loss.item())
+    assert torch.allclose(torch.autograd.grad(token, lp)[0], grad)
+    # clipped as a whole: a sequence ratio past 1 + eps_high with A > 0 gets no gradient, though one token is below
+    lp2 = torch.tensor([[math.log(2.0), math.log(0.9)]], requires_grad=True)
+    loss, stats = policy_loss(lp2, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2),
+                              importance_sampling_level="sequence", **kw)
+    assert loss.item() == pytest.approx(-1.1) and stats["clip_ratio/high_mean"] == 1.0
+    assert torch.equal(torch.autograd.grad(loss, lp2)[0], torch.zeros(1, 2))
+    with pytest.raises(ValueError, match="importance_sampling_level='seq'; use one of"):
+        policy_loss(lp, old, adv, mask, importance_sampling_level="seq")
+
+
 def test_aggregations_and_padding_contributes_nothing():
     lp = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.0, 0.0]], requires_grad=True)
     old = lp.detach().clone()

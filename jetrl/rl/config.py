@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from jetrl.engine.sampling import GREEDY_BELOW
-from jetrl.rl.loss import LOSS_TYPES
+from jetrl.rl.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 
 TEMPLATE_ARGUMENTS = {"conversation", "messages", "add_generation_prompt", "continue_final_message", "tokenize",
                       "return_dict"}  # chat_template_kwargs may not set these: jetrl sets them
@@ -68,6 +68,9 @@ class GRPOConfig:
     epsilon_high: float | None = _f(None, "PPO clip range, upper side (DAPO clip-higher; None = epsilon)")
     loss_type: str = _f("dapo", f"loss aggregation, one of {LOSS_TYPES}")
     scale_rewards: str = _f("group", "advantage scaling: 'group' (GRPO), 'batch' or 'none' (Dr. GRPO)")
+    importance_sampling_level: str = _f("token", "the policy ratio: 'token' (PPO/GRPO), 'sequence' (GSPO: one "
+                                                 "ratio per completion, clip with epsilon=3e-4, epsilon_high=4e-4) or "
+                                                 "'sequence_token' (GSPO-token)")
     beta: float = _f(0.0, "weight of the k3 KL to the initial (reference) policy; 0 = no reference model")
     mask_truncated_completions: bool = _f(False, "DAPO overlong filter: truncated completions get no loss")
     overlong_penalty_length: int = _f(0, "DAPO soft overlong penalty: the last N tokens before the limit (0 = off)")
@@ -165,6 +168,8 @@ class GRPOConfig:
             (self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0"),
             (self.warmup_steps >= 0, "warmup_steps", "must be >= 0"),
             (self.loss_type in LOSS_TYPES, "loss_type", f"must be one of {LOSS_TYPES}"),
+            (self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, "importance_sampling_level",
+             f"must be one of {IMPORTANCE_SAMPLING_LEVELS}"),
             (self.scale_rewards in ("group", "batch", "none"), "scale_rewards", "must be 'group', 'batch' or 'none'"),
             (self.old_logprobs in ("auto", "recompute", "rollout"), "old_logprobs", "must be 'auto', 'recompute' or 'rollout'"),
             (self.rollout_correction in ("none", "tis", "mis"), "rollout_correction", "must be 'none', 'tis' or 'mis'"),

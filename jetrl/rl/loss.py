@@ -8,6 +8,15 @@ padding, so those contribute nothing):
                                                                                      the rollout correction (TIS/MIS)
              + beta * k3_it,   k3_it = exp(ref_it - lp_it) - (ref_it - lp_it) - 1     KL to a reference, unweighted
 
+``importance_sampling_level`` (TRL's name) picks the ratio. "token" is the one above. "sequence" is GSPO's (Zheng et
+al., 2025): one ratio per sequence, the geometric mean of its tokens' ratios,
+
+    ratio_i  = exp(sum_t m_it (lp_it - old_lp_it) / sum_t m_it)       for every token t of sequence i
+
+clipped as a whole (GSPO clips far tighter than PPO: eps_low = 3e-4, eps_high = 4e-4 in its paper). "sequence_token"
+is GSPO-token: the value of ratio_i with each token's own gradient, ratio_it = sg[ratio_i] exp(lp_it - sg[lp_it]),
+for per-token advantages.
+
 The correction weights the policy-gradient term only, as TRL weights it by its importance-sampling ratio: they
 correct for the sampler being another policy, which the KL to the reference does not depend on.
 
@@ -32,6 +41,7 @@ from torch import Tensor
 
 LossType = Literal["grpo", "bnpo", "dapo", "dr_grpo"]
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_token")
 
 
 def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
@@ -54,12 +64,12 @@ def policy_loss(
     token_weights: Tensor | None = None,
     num_items_in_batch: int | float | None = None,
     max_completion_length: int | None = None,
+    importance_sampling_level: str = "token",
 ) -> tuple[Tensor, dict[str, float]]:
     """Loss over (B, T) per-token tensors; ``advantages`` is (B,) or (B, T). See the module docstring."""
     mask = mask.to(logprobs.dtype)
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
-    log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
+    ratio = torch.exp(_log_ratio(logprobs, old_logprobs, mask, importance_sampling_level))
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
@@ -86,6 +96,19 @@ def policy_loss(
         if kl is not None:
             stats["kl"] = float((kl * mask).sum() / n)
     return loss, stats
+
+
+def _log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, level: str) -> Tensor:
+    """log ratio_it at ``level`` (the module docstring): (B, T), or (B, 1) for "sequence"."""
+    log_ratio = logprobs - old_logprobs
+    if level == "token":
+        return log_ratio
+    if level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level={level!r}; use one of {IMPORTANCE_SAMPLING_LEVELS}")
+    sequence = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp_min(1)
+    if level == "sequence":
+        return sequence
+    return sequence.detach() + logprobs - logprobs.detach()
 
 
 def _aggregate(per_token: Tensor, mask: Tensor, loss_type: str, num_items_in_batch, max_completion_length) -> Tensor:

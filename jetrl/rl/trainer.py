@@ -311,7 +311,8 @@ class GRPOTrainer:
                         epsilon_low=args.epsilon_low, epsilon_high=args.clip_high, loss_type=args.loss_type,
                         beta=args.beta, ref_logprobs=None if sub.ref_logprobs is None else sub.ref_logprobs.to(lp.device),
                         token_weights=None if weights is None else weights[r][:, : lp.shape[1]].to(lp.device),
-                        num_items_in_batch=max(tokens, 1.0), max_completion_length=args.max_completion_length)
+                        num_items_in_batch=max(tokens, 1.0), max_completion_length=args.max_completion_length,
+                        importance_sampling_level=args.importance_sampling_level)
                     loss = loss * _micro_batch_weight(args.loss_type, len(sub), int(micro_batches), int(sequences))
                     loss.backward()
                     loss_sum = loss_sum.to(loss.device) + loss.detach()
