@@ -149,3 +149,31 @@ def test_mismatch_metrics_by_hand():
     assert m["rollout_corr/log_ppl_abs_diff"] == pytest.approx(d / 2)
     same = mismatch_metrics(lp_t, lp_t, mask)
     assert same["rollout_corr/kl"] == 0 and same["token_mult_prob_error"] == 1.0
+
+
+def test_learning_rate_schedules_by_hand_and_as_hugging_face_computes_them():
+    """Warmup (s + 1) / W, then constant, or linear / cosine decay to 0 at the last scheduled step, equal after warmup
+    to transformers' get_linear_schedule_with_warmup / get_cosine_schedule_with_warmup (jetrl/rl/schedule.py)."""
+    import transformers
+
+    from jetrl.rl.schedule import learning_rate_at
+
+    base, warmup, total = 2e-3, 3, 20
+    assert [learning_rate_at(s, base, warmup, total, "constant") for s in (0, 1, 2, 3, 19, 30)] == pytest.approx(
+        [base / 3, 2 * base / 3, base, base, base, base])
+    assert learning_rate_at(3 + 17 // 2, base, warmup, total, "cosine") == pytest.approx(base * 0.5 * (
+        1 + math.cos(math.pi * 8 / 17)))
+    assert learning_rate_at(total, base, warmup, total, "linear") == 0 == learning_rate_at(99, base, warmup, total,
+                                                                                          "cosine")
+    for kind, make in (("linear", transformers.get_linear_schedule_with_warmup),
+                       ("cosine", transformers.get_cosine_schedule_with_warmup)):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base)
+        scheduler = make(optimizer, warmup, total)
+        for s in range(total + 1):  # past the end HF's cosine rises again; jetrl's stays at 0
+            if s >= warmup:
+                assert learning_rate_at(s, base, warmup, total, kind) == pytest.approx(scheduler.get_last_lr()[0],
+                                                                                      abs=1e-12), (kind, s)
+            optimizer.step()
+            scheduler.step()
+    with pytest.raises(ValueError, match="lr_scheduler_type='step'; use one of"):
+        learning_rate_at(0, base, 0, total, "step")

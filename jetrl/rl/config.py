@@ -21,6 +21,7 @@ from typing import Any
 
 from jetrl.engine.sampling import GREEDY_BELOW
 from jetrl.rl.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from jetrl.rl.schedule import LR_SCHEDULER_TYPES
 
 TEMPLATE_ARGUMENTS = {"conversation", "messages", "add_generation_prompt", "continue_final_message", "tokenize",
                       "return_dict"}  # chat_template_kwargs may not set these: jetrl sets them
@@ -40,8 +41,10 @@ def valid_template_kwargs(kwargs: Any) -> bool:
 class GRPOConfig:
     # --- schedule
     max_steps: int = _f(100, "RL steps (one rollout batch + its updates each)")
-    learning_rate: float = _f(1e-5, "AdamW learning rate (constant after warmup)")
+    learning_rate: float = _f(1e-5, "AdamW learning rate (after warmup; see lr_scheduler_type)")
     warmup_steps: int = _f(0, "optimizer steps of linear learning-rate warmup")
+    lr_scheduler_type: str = _f("constant", "after warmup: 'constant' (DAPO, verl), 'linear' (TRL's default) or "
+                                            "'cosine' decay to 0 at the end of max_steps (jetrl/rl/schedule.py)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     adam_beta1: float = _f(0.9, "AdamW beta1")
     adam_beta2: float = _f(0.99, "AdamW beta2")
@@ -167,6 +170,7 @@ class GRPOConfig:
             (0 <= self.overlong_penalty_factor < math.inf, "overlong_penalty_factor", "must be >= 0 and finite"),
             (self.max_grad_norm >= 0, "max_grad_norm", "must be >= 0"),
             (self.warmup_steps >= 0, "warmup_steps", "must be >= 0"),
+            (self.lr_scheduler_type in LR_SCHEDULER_TYPES, "lr_scheduler_type", f"must be one of {LR_SCHEDULER_TYPES}"),
             (self.loss_type in LOSS_TYPES, "loss_type", f"must be one of {LOSS_TYPES}"),
             (self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, "importance_sampling_level",
              f"must be one of {IMPORTANCE_SAMPLING_LEVELS}"),
@@ -200,8 +204,13 @@ class GRPOConfig:
         """Per epoch over the rollout batch, one step per gradient_accumulation_steps micro-batches, the last one on
         what is left (as the trainer's update loop groups them). One process; each of N data-parallel ranks has 1/N
         of the micro-batches."""
-        micro = self.generation_batch_size // self.per_device_train_batch_size
-        return self.num_iterations * -(-micro // self.gradient_accumulation_steps)
+        return self.scheduled_optimizer_steps() // self.max_steps
+
+    def scheduled_optimizer_steps(self, world_size: int = 1) -> int:
+        """The optimizer steps of ``max_steps`` full RL steps on each of ``world_size`` data-parallel ranks: the span
+        of the learning-rate decay (jetrl/rl/schedule.py)."""
+        micro = self.generation_batch_size // world_size // self.per_device_train_batch_size
+        return self.max_steps * self.num_iterations * -(-micro // self.gradient_accumulation_steps)
 
     def generation_batch_size_per_rank(self, world_size: int) -> int:
         """Completions one of ``world_size`` data-parallel ranks samples per RL step: whole GRPO groups (a group

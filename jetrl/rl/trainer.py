@@ -61,6 +61,7 @@ from jetrl.rl.metrics import mismatch_metrics, mismatch_weights
 from jetrl.rl.micro_batches import plan
 from jetrl.rl.replicas import Replicas, with_weight
 from jetrl.rl.rollout import rollout
+from jetrl.rl.schedule import learning_rate_at
 from jetrl.rl.train_graphs import TrainingGraphs, auto_enabled, auto_length_multiple, unsupported_reason
 
 
@@ -368,10 +369,9 @@ class GRPOTrainer:
         return norm
 
     def _lr(self) -> float:
-        warmup = self.args.warmup_steps
-        if warmup and self.optimizer_steps < warmup:
-            return self.args.learning_rate * (self.optimizer_steps + 1) / warmup
-        return self.args.learning_rate
+        args = self.args
+        return learning_rate_at(self.optimizer_steps, args.learning_rate, args.warmup_steps,
+                                args.scheduled_optimizer_steps(self.replicas.world_size), args.lr_scheduler_type)
 
     # ------------------------------------------------------------------ state (checkpoints)
     def state_dict(self) -> dict[str, Any]:
