@@ -31,8 +31,12 @@ def run_python(jobs: list[tuple[list[str], dict[str, str]]], timeout: float) -> 
     """Run ``python *args`` with each job's environment, as many at once as there are cores; results in order."""
     def one(job):
         args, env = job
-        return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True,
-                              timeout=timeout, check=False)
+        try:
+            return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True,
+                                  timeout=timeout, check=False)
+        except subprocess.TimeoutExpired as e:  # killed: a failed result of its own, the other jobs run on
+            out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
+            return subprocess.CompletedProcess(e.cmd, -9, out, f"timed out after {timeout} s: {args[:4]}")
 
     with ThreadPoolExecutor(max_workers=min(cores(), max(1, len(jobs)))) as pool:
         return list(pool.map(one, jobs))

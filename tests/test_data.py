@@ -267,14 +267,21 @@ def test_a_glob_reads_a_splits_shards_and_a_directory_is_refused(tmp_path):
     (data / "README.md").write_text("a dataset card")
     got = load_records(data / "train-*")
     assert [r["prompt"] for r in got] == [r["prompt"] for r in train]
-    (tmp_path / "gsm-00000-of-00001.jsonl").write_text('{"question": "1 + 1?", "answer": "2"}\n')
-    assert load_records(tmp_path / "gsm-*.jsonl")[0]["task"] == "gsm"  # a shard's task: its stem, unnumbered
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "gsm-00000-of-00001.jsonl").write_text('{"question": "1 + 1?", "answer": "2"}\n')
+    assert load_records(other / "gsm-*.jsonl")[0]["task"] == "gsm"  # a shard's task: its stem, unnumbered
     assert [r["ground_truth"] for r in load_records(str(data / "test-*.parquet"))] == [r["ground_truth"]
                                                                                        for r in held_out]
     with pytest.raises(DatasetError, match=r"is a directory \(it holds test-00000-of-00001.parquet, train-00000-of-"
                                            r"00002.jsonl, train-00001-of-00002.parquet\): name one file, or a split's "
-                                           r"shards with a glob, e.g. .*data/train-\*.parquet"):
+                                           r"shards with a glob, e.g. .*data/train-\*"):
         load_records(data)
+    with pytest.raises(DatasetError, match=r"is a directory \(it holds data/test-00000-of-00001.parquet, .*e.g. "
+                                           r".*/data/train-\*"):  # an HF repo's root: its shards sit in data/
+        load_records(tmp_path)
+    save_records(held_out, other / "gsm[1].jsonl")  # a file named like a glob is that file
+    assert len(load_records(other / "gsm[1].jsonl")) == len(held_out)
     with pytest.raises(DatasetError, match="no dataset file matches .*validation-"):
         load_records(data / "validation-*.parquet")
     with pytest.raises(DatasetError, match=r"README.md: unsupported dataset format '.md'"):

@@ -21,6 +21,7 @@ from jetrl.models.tokenizer import Tokenizer
 from jetrl.rewards import RewardError
 from jetrl.rl.config import GRPOConfig
 from jetrl.rl.metrics import MISMATCH_KEYS
+from jetrl.rl.replicas import Replicas
 from jetrl.rl.trainer import GRPOTrainer, NonFiniteStepError
 
 from .subprocesses import run_jetrl
@@ -166,19 +167,20 @@ def test_optimizer_steps_per_rl_step_counts_the_last_partial_group():
     args = GRPOConfig(**{**ARGS, "generation_batch_size": 64, "per_device_train_batch_size": 16,
                          "gradient_accumulation_steps": 3, "num_iterations": 2})
     assert args.optimizer_steps_per_rl_step == 4  # 4 micro-batches per epoch: steps of 3 and 1, two epochs
-    assert args.scheduled_optimizer_steps() == 4 * args.max_steps
-    assert args.scheduled_optimizer_steps(world_size=2) == 2 * args.max_steps  # 2 micro-batches per rank: one step
+    assert args.rl_step_optimizer_steps(world_size=2) == 2  # 2 micro-batches per rank and epoch: one step each
 
 
 def test_the_trainer_follows_the_learning_rate_schedule():
-    """Under lr_scheduler_type='linear' each optimizer step runs at learning_rate_at(its index), decaying over the run's
-    scheduled steps (2 RL steps x 1 optimizer step here): full rate, then half."""
-    trainer = _trainer(recipe="bf16", lr_scheduler_type="linear", gradient_accumulation_steps=2)
+    """Under lr_scheduler_type='linear' each optimizer step runs at learning_rate_at(its position), decaying over the
+    run's scheduled steps (2 RL steps x 2 optimizer steps here): 1, 3/4, 1/2, 1/4 of the rate, as logged. A resume
+    on two ranks, whose RL step makes 1 optimizer step, continues at the same fraction of the run."""
+    trainer = _trainer(recipe="bf16", lr_scheduler_type="linear", gradient_accumulation_steps=1)
     rates = []
     trainer.optimizer.register_step_pre_hook(lambda opt, *_: rates.append(opt.param_groups[0]["lr"]))
-    for _ in range(2):
-        trainer.train_step()
-    assert trainer.args.scheduled_optimizer_steps() == 2 and rates == pytest.approx([1e-3, 5e-4])
+    logged = [trainer.train_step()["learning_rate"] for _ in range(2)]
+    assert rates == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4]) and logged == pytest.approx(rates[1::2])
+    trainer.step, trainer.replicas = 1, Replicas(0, 2)  # as if resumed after one RL step on two ranks
+    assert trainer._lr() == pytest.approx(5e-4) and trainer._lr(0.5) == pytest.approx(2.5e-4)
 
 
 def test_nonfinite_step_is_skipped_or_stops(monkeypatch):

@@ -153,23 +153,36 @@ def _read_parquet(path: Path) -> list[tuple[str, Any]]:
 
 
 def dataset_files(path: str | Path) -> list[Path]:
-    """The files ``path`` names: itself, or a glob's matches in name order (the module docstring); a missing
-    file, a glob without a match or a directory is a DatasetError saying what to give instead."""
+    """The files ``path`` names: itself, or a glob's matches in name order (the module docstring; ``**`` spans
+    directories); a missing file, a glob without a match or a directory is a DatasetError saying what to give."""
     text = str(path)
-    if any(c in text for c in "*?["):
-        matches = sorted(Path(m) for m in glob.glob(os.path.expanduser(text)) if Path(m).is_file())
+    literal = Path(text).expanduser()
+    if any(c in text for c in "*?[") and not literal.is_file():  # gsm[1].jsonl may be a file's own name
+        matches = sorted(Path(m) for m in glob.glob(os.path.expanduser(text), recursive=True) if Path(m).is_file())
         if not matches:
             raise DatasetError(f"no dataset file matches {text}")
         return matches
-    path = Path(path).expanduser()
-    if path.is_dir():
-        found = sorted(f.name for f in path.iterdir() if f.suffix in (*JSON_SUFFIXES, ".parquet") and f.is_file())
-        listed = f" (it holds {', '.join(found[:6])}{', ...' if len(found) > 6 else ''})" if found else ""
-        raise DatasetError(f"dataset path {path} is a directory{listed}: name one file, or a split's shards with a "
-                           f"glob, e.g. {path / 'train-*.parquet'}")
-    if not path.is_file():
-        raise DatasetError(f"dataset file not found: {path}")
-    return [path]
+    if literal.is_dir():
+        raise DatasetError(f"dataset path {literal} is a directory{_directory_hint(literal)}")
+    if not literal.is_file():
+        raise DatasetError(f"dataset file not found: {literal}")
+    return [literal]
+
+
+def _directory_hint(directory: Path) -> str:
+    """What a directory holds and the glob to give instead: its dataset files, else those one level down (an HF
+    dataset repo keeps its shards in data/)."""
+    def files(folder: Path) -> list[Path]:
+        return sorted(f for f in folder.iterdir() if f.suffix in (*JSON_SUFFIXES, ".parquet") and f.is_file())
+
+    found = files(directory) or [f for sub in sorted(directory.iterdir()) if sub.is_dir() for f in files(sub)]
+    if not found:
+        return ": it holds no .jsonl, .json or .parquet file"
+    names = [str(f.relative_to(directory)) for f in found]
+    pick = next((f for f in found if f.name.startswith("train")), found[0])
+    pattern = pick.parent / (SHARD_SUFFIX.sub("-*", pick.stem) + pick.suffix)
+    return (f" (it holds {', '.join(names[:6])}{', ...' if len(names) > 6 else ''}): name one file, or a split's "
+            f"shards with a glob, e.g. {pattern}")
 
 
 def load_records(path: str | Path, *, default_task: str | None = None, require_answer: bool = True) -> list[Record]:

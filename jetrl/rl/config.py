@@ -202,15 +202,14 @@ class GRPOConfig:
     @property
     def optimizer_steps_per_rl_step(self) -> int:
         """Per epoch over the rollout batch, one step per gradient_accumulation_steps micro-batches, the last one on
-        what is left (as the trainer's update loop groups them). One process; each of N data-parallel ranks has 1/N
-        of the micro-batches."""
-        return self.scheduled_optimizer_steps() // self.max_steps
+        what is left (as the trainer's update loop groups them). One process: :meth:`rl_step_optimizer_steps`."""
+        return self.rl_step_optimizer_steps(1)
 
-    def scheduled_optimizer_steps(self, world_size: int = 1) -> int:
-        """The optimizer steps of ``max_steps`` full RL steps on each of ``world_size`` data-parallel ranks: the span
-        of the learning-rate decay (jetrl/rl/schedule.py)."""
+    def rl_step_optimizer_steps(self, world_size: int = 1) -> int:
+        """The optimizer steps a full RL step makes on each of ``world_size`` data-parallel ranks (each holds 1/N of
+        the micro-batches); the learning-rate schedule's unit (jetrl/rl/schedule.py)."""
         micro = self.generation_batch_size // world_size // self.per_device_train_batch_size
-        return self.max_steps * self.num_iterations * -(-micro // self.gradient_accumulation_steps)
+        return self.num_iterations * -(-micro // self.gradient_accumulation_steps)
 
     def generation_batch_size_per_rank(self, world_size: int) -> int:
         """Completions one of ``world_size`` data-parallel ranks samples per RL step: whole GRPO groups (a group

@@ -121,6 +121,7 @@ class GRPOTrainer:
         self.weight_refresh = WeightRefresh(self.model)
         self.step = 0
         self.optimizer_steps = 0
+        self.last_lr = self._lr()  # the rate of the last optimizer step (logged), before any: the first one's
         self.nonfinite_steps = 0
 
     def _resolve_old_logprobs(self, choice: str) -> str:
@@ -225,7 +226,8 @@ class GRPOTrainer:
         self.step += 1
         metrics.update({
             "time/rollout": t1 - t0, "time/old_logprobs": t2 - t1, "time/update": t3 - t2, "time/step": t3 - t0,
-            "learning_rate": self._lr(), "optimizer_steps": self.optimizer_steps, "nonfinite_steps": self.nonfinite_steps,
+            "learning_rate": self.last_lr, "optimizer_steps": self.optimizer_steps,
+            "nonfinite_steps": self.nonfinite_steps,
         })
         return replicas.merge_metrics(metrics)
 
@@ -327,7 +329,8 @@ class GRPOTrainer:
                         first_pass.append((lp.detach().cpu(), sub.rollout_logprobs, sub.token_mask()))
                 if g >= len(groups) and self.train_graphs is not None:
                     self.train_graphs.bind_grads()  # the zeros this rank adds: the graphs' own gradient tensors
-                grad_norms.append(self._optimizer_step(loss_sum))
+                within = (iteration * steps + g) / (args.num_iterations * steps)  # the rate's position in this step
+                grad_norms.append(self._optimizer_step(loss_sum, within))
         if micro:  # token means, whichever rows share a micro-batch (micro_batches.py) and on however many ranks
             means = {k: v / max(token_count, 1.0) for k, v in stats_sum.items()}
             metrics.update(with_weight({**means, "entropy": entropy_sum / max(token_count, 1.0)}, token_count))
@@ -336,9 +339,11 @@ class GRPOTrainer:
         if self.old_logprobs_source == "rollout" and first_pass:
             metrics.update(_mismatch_of(first_pass))
 
-    def _optimizer_step(self, loss: torch.Tensor) -> float:
+    def _optimizer_step(self, loss: torch.Tensor, within_step: float = 0.0) -> float:
         """Clip, check and apply the accumulated gradient (data parallel: summed over the ranks first, so every
-        replica makes the same decision and the same update)."""
+        replica makes the same decision and the same update); ``within_step``: how far into this RL step's optimizer
+        steps this one is, in [0, 1) (its learning rate's position, jetrl/rl/schedule.py)."""
+        self.last_lr = self._lr(within_step)
         args = self.args
         self.replicas.reduce_gradients(self.model)
         loss = self.replicas.sum([float(loss)])[0]
@@ -359,7 +364,7 @@ class GRPOTrainer:
                 print(f"warning: {message} (skipped; grpo.nonfinite_step='skip')")
             return float("nan")
         for group in self.optimizer.param_groups:
-            group["lr"] = self._lr()
+            group["lr"] = self.last_lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
@@ -368,10 +373,12 @@ class GRPOTrainer:
             self.train_graphs.assume_current(self.weight_refresh.keys)
         return norm
 
-    def _lr(self) -> float:
+    def _lr(self, within_step: float = 0.0) -> float:
+        """The learning rate at ``within_step`` of RL step ``self.step`` (jetrl/rl/schedule.py)."""
         args = self.args
-        return learning_rate_at(self.optimizer_steps, args.learning_rate, args.warmup_steps,
-                                args.scheduled_optimizer_steps(self.replicas.world_size), args.lr_scheduler_type)
+        per_step = args.rl_step_optimizer_steps(self.replicas.world_size)
+        return learning_rate_at((self.step + within_step) * per_step, args.learning_rate, args.warmup_steps,
+                                args.max_steps * per_step, args.lr_scheduler_type)
 
     # ------------------------------------------------------------------ state (checkpoints)
     def state_dict(self) -> dict[str, Any]:
