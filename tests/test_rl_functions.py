@@ -132,6 +132,19 @@ def test_rollout_correction():
     assert stats["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(2 / 3)
     with pytest.raises(ValueError, match="must be > 1"):
         rollout_correction_weights(old, rollout, mask, "tis", 0.5)
+    # a sequence's ratio: the product of its tokens' (1 * 3 * 0.2 = 0.6), or their geometric mean (0.843); padding
+    # (here inf) never counts; every token of the sequence gets the sequence's weight
+    old2 = torch.cat([old, torch.log(torch.tensor([[1.5, 1.5, 1.5, float("inf")]]))])
+    mask2 = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
+    seq, stats = rollout_correction_weights(old2, torch.zeros(2, 4), mask2, "tis", 2.0, "sequence")
+    assert torch.allclose(seq, torch.tensor([[0.6] * 4, [2.0] * 4]))  # 1.5^3 = 3.375 truncated at C = 2
+    assert stats["rollout_corr/tis_clipped_fraction"] == pytest.approx(0.5)
+    seq, stats = rollout_correction_weights(old2, torch.zeros(2, 4), mask2, "mis", 2.0, "sequence")
+    assert torch.equal(seq, torch.tensor([[1.0] * 4, [0.0] * 4]))  # a whole completion rejected
+    geo, _ = rollout_correction_weights(old2, torch.zeros(2, 4), mask2, "mis", 2.0, "geometric")
+    assert torch.equal(geo, torch.ones(2, 4))  # 0.6^(1/3) = 0.84 and 1.5: both kept
+    with pytest.raises(ValueError, match="level 'seq'; use one of"):
+        rollout_correction_weights(old, rollout, mask, "tis", 2.0, "seq")
 
 
 def test_mismatch_metrics_by_hand():

@@ -82,6 +82,7 @@ def test_task_options_reach_the_reasoning_gym_dataset(tmp_path):
         ("", ["device=gpu"], "device='gpu' must be 'auto', 'cpu', 'cuda' or 'cuda:N'"),
         ("", ["grpo.importance_sampling_level=seq"], "importance_sampling_level='seq' must be one of \\('token', "),
         ("", ["grpo.lr_scheduler_type=step"], "lr_scheduler_type='step' must be one of \\('constant', "),
+        ("", ["grpo.rollout_correction_level=seq"], "rollout_correction_level='seq' must be one of \\('token', "),
         ("", ["preset=default"], ("override 'preset=default' sets preset='default', but this config starts "
                                   "from preset 'tiny'.*pass --preset default")),
         ("preset: smollm2\n", [], "bad.yaml sets preset='smollm2'.*pass --preset smollm2"),

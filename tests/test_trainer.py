@@ -183,6 +183,17 @@ def test_the_trainer_follows_the_learning_rate_schedule():
     assert trainer._lr() == pytest.approx(5e-4) and trainer._lr(0.5) == pytest.approx(2.5e-4)
 
 
+def test_gspo_with_a_sequence_level_correction_trains_off_policy():
+    """fp8_rollout (BF16 training, FP8 rollout) under GSPO with a sequence-level MIS: the trainer passes the level
+    through, whole completions are weighted alike, and the step trains."""
+    trainer = _trainer(recipe="fp8_rollout", importance_sampling_level="sequence", loss_type="grpo",
+                       rollout_correction="mis", rollout_correction_level="geometric", old_logprobs="recompute")
+    metrics = trainer.train_step()
+    assert trainer.optimizer_steps >= 1 and math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
+    assert 0 <= metrics["rollout_corr/rollout_rs_masked_fraction"] <= 1
+    assert metrics["rollout_corr/rollout_is_mean"] > 0
+
+
 def test_nonfinite_step_is_skipped_or_stops(monkeypatch):
     real = trainer_mod.policy_loss
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from jetrl.engine.sampling import GREEDY_BELOW
+from jetrl.rl.correction import CORRECTION_LEVELS
 from jetrl.rl.loss import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from jetrl.rl.schedule import LR_SCHEDULER_TYPES
 
@@ -85,6 +86,9 @@ class GRPOConfig:
                            "top_p=1, top_k=0 and no rollout_correction), or 'auto' (rollout where it may)")
     rollout_correction: str = _f("none", "'none', 'tis' (truncated IS) or 'mis' (masked IS / IcePop)")
     rollout_correction_threshold: float = _f(2.0, "C of TIS/MIS (> 1)")
+    rollout_correction_level: str = _f("token", "the IS ratio TIS/MIS compare with C: 'token', 'sequence' (the "
+                                                "product over a completion) or 'geometric' (its per-token mean); a "
+                                                "sequence level weights or rejects whole completions")
     nonfinite_step: str = _f("skip", "a step whose loss or gradient is NaN/Inf: 'skip' it or 'stop' the run")
     # --- data parallel (torchrun; jetrl/rl/replicas.py)
     shard_optimizer_state: bool = _f(False, "data parallel: each rank keeps the AdamW state of its share of the "
@@ -178,6 +182,8 @@ class GRPOConfig:
             (self.old_logprobs in ("auto", "recompute", "rollout"), "old_logprobs", "must be 'auto', 'recompute' or 'rollout'"),
             (self.rollout_correction in ("none", "tis", "mis"), "rollout_correction", "must be 'none', 'tis' or 'mis'"),
             (self.rollout_correction_threshold > 1, "rollout_correction_threshold", "must be > 1"),
+            (self.rollout_correction_level in CORRECTION_LEVELS, "rollout_correction_level",
+             f"must be one of {CORRECTION_LEVELS}"),
             (self.nonfinite_step in ("skip", "stop"), "nonfinite_step", "must be 'skip' or 'stop'"),
             (self.train_cuda_graphs in ("auto", "on", "off"), "train_cuda_graphs", "must be 'auto', 'on' or 'off'"),
             (0 <= self.overlong_penalty_length < self.max_completion_length, "overlong_penalty_length",

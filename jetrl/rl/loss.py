@@ -16,9 +16,10 @@ al., 2025): one ratio per sequence, the geometric mean of its tokens' ratios,
 clipped as a whole (GSPO clips far tighter than PPO: eps_low = 3e-4, eps_high = 4e-4 in its paper). "sequence_token"
 is GSPO-token: the value of ratio_i with each token's own gradient, ratio_it = sg[ratio_i] exp(lp_it - sg[lp_it]),
 for per-token advantages. The rollout correction's weights still multiply each token's term: under "sequence" a
-token that MIS rejects adds no term, but its log ratio stays in its sequence's mean, so the other tokens' terms
-carry its gradient; under "sequence_token" (and "token") it gets none. The clip fractions count tokens, a clipped
-sequence's every token (TRL counts sequences at this level).
+token that a token-level MIS rejects adds no term, but its log ratio stays in its sequence's mean, so the other
+tokens' terms carry its gradient; under "sequence_token" (and "token") it gets none. With GSPO, correct at the
+sequence level (``rollout_correction_level``, correction.py), which weights or rejects whole completions. The clip
+fractions count tokens, a clipped sequence's every token (TRL counts sequences at this level).
 
 The correction weights the policy-gradient term only, as TRL weights it by its importance-sampling ratio: they
 correct for the sampler being another policy, which the KL to the reference does not depend on.

@@ -293,7 +293,8 @@ class GRPOTrainer:
         if batch is not None:
             weights, corr_stats = rollout_correction_weights(batch.old_logprobs, batch.rollout_logprobs,
                                                              batch.completion_mask, args.rollout_correction,
-                                                             args.rollout_correction_threshold)
+                                                             args.rollout_correction_threshold,
+                                                             args.rollout_correction_level)
             metrics.update(with_weight(corr_stats, float(batch.completion_mask.sum())))
         stats_sum: dict[str, float] = {}
         first_pass: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # for reused-logprob mismatch
