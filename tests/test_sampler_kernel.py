@@ -1,8 +1,8 @@
 """The fused sampler (jetrl/engine/kernels/sample_triton.py) against its spec, ``sampling.sample_reference``.
 
 CPU: the kernel runs under ``TRITON_INTERPRET=1`` (read by Triton at import, hence a subprocess):
-one script runs every check and prints one JSON line ``{check: "ok" | failure}``, and each test
-below asserts its entry. Skipped without Triton. Blocks of 256 logits, 2 per chunk, so V = 1000 has
+one script, run as two processes side by side (each a share of the checks, ``CHECK_SHARES``), prints
+one JSON line ``{check: "ok" | failure}``, and each test below asserts its entry. Skipped without Triton. Blocks of 256 logits, 2 per chunk, so V = 1000 has
 2 chunks (the second ragged) and V = 4099 has 9 (the last 3 logits long).
 
 Uniforms: the kernel computes ``counter_uniform`` itself, bit for bit (random and edge keys/steps).
