@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import random
 import re
 from collections.abc import Mapping, Sequence
@@ -158,7 +157,7 @@ def dataset_files(path: str | Path) -> list[Path]:
     text = str(path)
     literal = Path(text).expanduser()
     if any(c in text for c in "*?[") and not literal.is_file():  # gsm[1].jsonl may be a file's own name
-        matches = sorted(Path(m) for m in glob.glob(os.path.expanduser(text), recursive=True) if Path(m).is_file())
+        matches = sorted(Path(m) for m in glob.glob(str(literal), recursive=True) if Path(m).is_file())
         if not matches:
             raise DatasetError(f"no dataset file matches {text}")
         return matches

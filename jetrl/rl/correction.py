@@ -29,6 +29,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from jetrl.rl.loss import sequence_log_ratio
+
 CorrectionMode = Literal["none", "tis", "mis"]
 CORRECTION_LEVELS = ("token", "sequence", "geometric")
 
@@ -47,11 +49,8 @@ def rollout_correction_weights(
     with torch.no_grad():
         mask = mask.to(old_logprobs.dtype)
         log_rho = old_logprobs - rollout_logprobs
-        if level != "token":  # over the completion's tokens only (padding may hold anything)
-            log_rho = torch.where(mask > 0, log_rho, 0.0).sum(-1, keepdim=True)
-            if level == "geometric":
-                log_rho = log_rho / mask.sum(-1, keepdim=True).clamp_min(1)
-            log_rho = log_rho.expand_as(mask)
+        if level != "token":
+            log_rho = sequence_log_ratio(log_rho, mask, mean=level == "geometric").expand_as(mask)
         rho = torch.exp(log_rho.clamp(-20, 20))  # IS weights bounded to [e^-20, e^20]
         n = mask.sum().clamp_min(1)
         if mode == "tis":

@@ -102,6 +102,14 @@ def policy_loss(
     return loss, stats
 
 
+def sequence_log_ratio(log_ratio: Tensor, mask: Tensor, mean: bool = True) -> Tensor:
+    """(B, 1): a sequence's log ratio from its tokens' (B, T), over its completion tokens only (positions outside
+    ``mask`` never count, whatever they hold): their mean -- the log of the geometric mean of the tokens' ratios, GSPO's
+    -- or, ``mean=False``, their sum -- the log of the sequence's importance ratio (correction.py)."""
+    total = torch.where(mask > 0, log_ratio, 0.0).sum(-1, keepdim=True)
+    return total / mask.sum(-1, keepdim=True).clamp_min(1) if mean else total
+
+
 def _log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, level: str) -> Tensor:
     """log ratio_it at ``level`` (the module docstring): (B, T), or (B, 1) for "sequence"."""
     log_ratio = logprobs - old_logprobs
@@ -109,7 +117,7 @@ def _log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, level: str)
         return log_ratio
     if level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level={level!r}; use one of {IMPORTANCE_SAMPLING_LEVELS}")
-    sequence = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp_min(1)
+    sequence = sequence_log_ratio(log_ratio, mask)
     if level == "sequence":
         return sequence
     return sequence.detach() + logprobs - logprobs.detach()
