@@ -128,6 +128,9 @@ def test_transpose_reuses_codes():
     # quantizing W^T from scratch gives the same codes for square blocks
     fresh = quantize(w.t().contiguous(), (128, 128))
     assert torch.equal(fresh.codes.view(torch.uint8), qt.codes.view(torch.uint8))
+    # a weight one block tall: W^T's (k, 1) scales are row-major, as the GEMM kernels read them
+    flat = quantize(torch.randn(128, 384), (128, 128)).t()
+    assert flat.scales.shape == (3, 1) and flat.scales.stride() == (1, 1)
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,7 @@ from jetrl.fp8.producer_quant import install_producer_quant
 from jetrl.fp8.projection_group import install_projection_groups
 from jetrl.fp8.recipe import Recipe, check_rollout_subgraph
 from jetrl.fp8.weight_cache import batched_finite_check
+from jetrl.fp8.weight_shard import weight_gathers
 from jetrl.models.stacked_projections import install_stacked_projections, refresh_stacked_projections
 
 ModuleFilter = Callable[[nn.Module, str], bool]
@@ -140,10 +141,13 @@ def refresh_weight_caches(model: nn.Module) -> int:
     """Quantize every changed FP8 weight now (call after ``optimizer.step()``); returns how many layers.
 
     A weight whose version did not change is not quantized again: the cache is keyed by version.
+    With sharded weights (jetrl/fp8/weight_shard.py) this is a collective: every rank calls it together.
     The BF16 sibling stacks (jetrl/models/stacked_projections.py) are brought up to date the same way.
     """
     modules = float8_modules(model)
-    with torch.no_grad(), batched_finite_check():  # one device sync for every weight's finiteness check
+    # one device sync for every weight's finiteness check; sharded weights gather their codes (weight_shard.py: every
+    # rank refreshes together)
+    with torch.no_grad(), batched_finite_check(), weight_gathers():
         for module in modules.values():
             module.quantized_weight()
         refresh_stacked_projections(model)

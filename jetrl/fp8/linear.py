@@ -84,6 +84,8 @@ class _Float8LinearFn(torch.autograd.Function):
             xt_q = Float8Blocks(saved[0], saved[1], spec.wgrad.block)
             # fp32 accumulation, rounded once to the master weight's dtype by the GEMM itself
             grad_w = fp8_gemm(dyt_q, xt_q, out_dtype=weight.dtype, batch_invariant=False)  # (N, K)
+            if ctx.cache.shard is not None:  # a sharded master: its rows of the sum over ranks (weight_shard.py)
+                grad_w = ctx.cache.shard.reduce(grad_w)
         return grad_x, grad_w, None, None, None, None
 
 
@@ -120,7 +122,8 @@ class _StackedFloat8LinearFn(torch.autograd.Function):
         if any(ctx.needs_input_grad[4:]):  # (N_total, K): member i's dW is its row block
             dw = fp8_gemm(dyt_q, Float8Blocks(xt_codes, xt_scales, spec.wgrad.block), out_dtype=weights[0].dtype,
                           batch_invariant=False)
-            grad_ws = [dw[o:o + n] if u else None for (o, n), u in zip(group.columns(), used)]
+            grad_ws = [(dw[o:o + n] if m.weight_cache.shard is None else m.weight_cache.shard.reduce(dw[o:o + n]))
+                       if u else None for (o, n), u, m in zip(group.columns(), used, group.members)]
         return grad_x, None, None, None, *grad_ws
 
 

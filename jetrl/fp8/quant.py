@@ -128,7 +128,10 @@ class Float8Blocks:
         Exact for square blocks: block (i, j) of W is block (j, i) of W^T with the same scale.
         This is how dgrad gets W^T from the weight cache.
         """
-        return Float8Blocks(transpose_codes(self.codes), self.scales.t().contiguous(), self.block[::-1])
+        # strides recomputed: .contiguous() would keep a (k, 1) result's stride (1, k), which the GEMM kernels reject
+        # (a weight one block tall, e.g. a 128-row down_proj's W^T)
+        scales = self.scales.t().clone(memory_format=torch.contiguous_format)
+        return Float8Blocks(transpose_codes(self.codes), scales, self.block[::-1])
 
 
 def amax_to_scale(amax: torch.Tensor, pow2_scale: bool = False) -> torch.Tensor:

@@ -123,14 +123,16 @@ class WeightRefresh:
 
 def _graphable(model: nn.Module) -> list[tuple[Float8Linear, QuantSpec]] | None:
     """(layer, weight spec) of every FP8-weight layer of ``model``, or None where a graph cannot serve: a layer off
-    CUDA, or one whose rollout and training read different weight specs (each read would re-quantize)."""
+    CUDA, or one whose rollout and training read different weight specs (each read would re-quantize), or a sharded
+    one (jetrl/fp8/weight_shard.py)."""
     layers = []
     for module in float8_modules(model).values():
         recipe = module.recipe
         spec = recipe.rollout.weight or recipe.train.weight
         if spec is None:
             continue
-        if not module.weight.is_cuda or recipe.train.weight not in (None, spec):
+        sharded = module.weight_cache.shard is not None  # its refresh is an all-gather: eager
+        if not module.weight.is_cuda or recipe.train.weight not in (None, spec) or sharded:
             return None
         layers.append((module, spec))
     return layers

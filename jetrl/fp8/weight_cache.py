@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -53,6 +53,9 @@ from jetrl.fp8.quant import (
     transpose_codes,
 )
 from jetrl.fp8.recipe import QuantSpec
+
+if TYPE_CHECKING:
+    from jetrl.fp8.weight_shard import WeightShard
 
 
 class _Deferred(threading.local):
@@ -175,6 +178,7 @@ class WeightCache:
         self._weight: Float8Blocks | None = None
         self._weight_t: Float8Blocks | None = None
         self._transposed_stale = True
+        self.shard: WeightShard | None = None  # set when the weight is a data-parallel shard (weight_shard.py)
 
     def get(self, weight: torch.Tensor, spec: QuantSpec) -> Float8Blocks:
         """q(W) in ``spec``'s blocks, quantized only if ``weight`` changed since the last call."""
@@ -183,12 +187,17 @@ class WeightCache:
             old, deferred = self._weight, _deferred.pending
             # In place when the layout is unchanged: the buffers keep their addresses, so CUDA graphs
             # captured by the engine read the new version with no recapture (zero weight sync).
-            in_place = (old is not None and tuple(old.block) == tuple(spec.block) and old.codes.shape == weight.shape
+            shape = weight.shape if self.shard is None else self.shard.full_shape
+            in_place = (old is not None and tuple(old.block) == tuple(spec.block) and old.codes.shape == shape
                         and old.codes.device == weight.device)
             self._key = None  # until the new codes are in: a failed check leaves the entry stale
             with torch.no_grad():
-                fresh = quantize(weight.detach(), spec.block, pow2_scale=spec.pow2_scale,
-                                 check_finite=deferred is None, name=self.name, out=old if in_place else None)
+                if self.shard is None:
+                    fresh = quantize(weight.detach(), spec.block, pow2_scale=spec.pow2_scale,
+                                     check_finite=deferred is None, name=self.name, out=old if in_place else None)
+                else:  # this rank's rows quantized, every rank's codes gathered (weight_shard.py)
+                    fresh = self.shard.quantize(weight.detach(), spec.block, pow2_scale=spec.pow2_scale,
+                                                check_finite=deferred is None, out=old if in_place else None)
             if not in_place:
                 self._weight = fresh.memoize() if fresh.codes.device.type == "cpu" else fresh
             self._written(key, check=deferred is not None)
@@ -305,6 +314,12 @@ class WeightCache:
     @staticmethod
     def _key_of(weight: torch.Tensor, spec: QuantSpec) -> tuple:
         return (weight._version, weight.data_ptr(), weight.device, spec)
+
+    def rekey(self, weight: torch.Tensor, spec: QuantSpec) -> None:
+        """Hold the current codes as q(``weight``) for its current version: ``weight`` replaced the parameter they
+        were quantized from and holds the same values (a shard of it, weight_shard.py)."""
+        self._key = self._key_of(weight, spec)
+        self._changed()
 
     def invalidate(self) -> None:
         """Forget the version: the next read quantizes again (into the same buffers)."""

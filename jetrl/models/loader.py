@@ -300,9 +300,12 @@ def save_pretrained(
     out_dir: str | Path,
     dtype: torch.dtype = torch.bfloat16,
     max_shard_bytes: int = 5 * 10**9,
+    replace: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Write ``config.json`` + safetensors (sharded with an index above ``max_shard_bytes``)."""
-    state = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in model.state_dict().items()}
+    """Write ``config.json`` + safetensors (sharded with an index above ``max_shard_bytes``). ``replace``: tensors
+    written instead of the model's own of the same names (the whole weights of a data-parallel shard)."""
+    state = {k: v.detach().to(device="cpu", dtype=dtype).contiguous()
+             for k, v in {**model.state_dict(), **(replace or {})}.items()}
     if config.tie_word_embeddings:
         state.pop(_TIED_KEY, None)
     hf = config.to_hf_dict()

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from jetrl.models import save_pretrained
+from jetrl.rl.shard_state import local_optimizer_state, local_rows
 
 STATE_FILE = "trainer_state.pt"
 
@@ -81,20 +82,24 @@ def _step_dirs(root: Path) -> list[Path]:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, tokenizer: Any, optimizer: torch.optim.Optimizer,
-                    state: dict[str, Any], keep_last: int = 2) -> Path:
-    """Write checkpoint ``step`` atomically and point ``latest`` at it; keep the last ``keep_last``."""
+                    state: dict[str, Any], keep_last: int = 2,
+                    whole: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None) -> Path:
+    """Write checkpoint ``step`` atomically and point ``latest`` at it; keep the last ``keep_last``. ``whole``: the
+    gathered tensors of sharded weights and the optimizer state with them (jetrl/rl/shard_state.py), written
+    in place of the model's and optimizer's own."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob("*.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     name = f"step_{step:06d}"
     tmp = root / f"{name}.tmp-{os.getpid()}"
-    save_pretrained(model, model.config, tmp, dtype=next(model.parameters()).dtype)
+    tensors, optimizer_state = whole if whole is not None else ({}, optimizer.state_dict())
+    save_pretrained(model, model.config, tmp, dtype=next(model.parameters()).dtype, replace=tensors)
     if tokenizer is not None:  # jetrl's Tokenizer (.save) or an HF tokenizer (.save_pretrained)
         (getattr(tokenizer, "save", None) or tokenizer.save_pretrained)(str(tmp))
     payload = {
         "step": step,
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer_state,
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
         **state,
     }
@@ -135,8 +140,8 @@ def load_trainer_state(path: str | Path, model: nn.Module, optimizer: torch.opti
                 tensor = where[name].get_tensor(name)
             except Exception as err:  # a truncated file fails here, not at open
                 raise ValueError(_damaged(path, err)) from err
-            param.copy_(tensor.to(param.dtype))
-    optimizer.load_state_dict(state["optimizer"])
+            param.copy_(local_rows(param, tensor).to(param.dtype))  # a sharded weight: this rank's rows
+    optimizer.load_state_dict(local_optimizer_state(optimizer, state["optimizer"]))
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
     np.random.set_state(state["rng"]["numpy"])

@@ -95,6 +95,11 @@ class GRPOConfig:
                                      "parameters only (ZeRO-1), dividing that memory by the rank count; the owner "
                                      "broadcasts each updated parameter, so the replicas stay bit-identical. No effect "
                                      "on one process")
+    shard_weights: bool = _f(False, "data parallel under an FP8-trained recipe (jet, jet_kv): each rank keeps the BF16 "
+                             "master, gradient and AdamW state of 1/N of every FP8 layer's rows and the full FP8 codes "
+                             "the layers and the rollout read, all-gathered once per optimizer step "
+                             "(jetrl/fp8/weight_shard.py): 2 + 8/N bytes per FP8-layer parameter instead of 10. No "
+                             "effect on one process")
     # --- speed
     group_by_length: bool = _f(True, "form each optimizer step's micro-batches from its rows sorted by length, so "
                                "each is trimmed to rows of similar length (less padding computed; the same rows per "
@@ -186,6 +191,9 @@ class GRPOConfig:
              f"must be one of {CORRECTION_LEVELS}"),
             (self.nonfinite_step in ("skip", "stop"), "nonfinite_step", "must be 'skip' or 'stop'"),
             (self.train_cuda_graphs in ("auto", "on", "off"), "train_cuda_graphs", "must be 'auto', 'on' or 'off'"),
+            (not (self.shard_weights and self.shard_optimizer_state), "shard_optimizer_state",
+             ("cannot be combined with grpo.shard_weights=true, which shards the FP8 layers' AdamW state already (the "
+              "rest -- embeddings, norms, lm_head -- stays whole); set one of them")),
             (0 <= self.overlong_penalty_length < self.max_completion_length, "overlong_penalty_length",
              "must be in [0, max_completion_length)"),
         ]

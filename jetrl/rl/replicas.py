@@ -9,8 +9,10 @@ ranks, and each rank's FP8 weight caches are refreshed from its own copy, as on 
 The cost is memory: each GPU holds the model and its gradients (the whole 8B trains on one H200),
 and its AdamW state unless ``grpo.shard_optimizer_state`` splits that over the ranks (ZeRO-1,
 :meth:`Replicas.optimizer`: each rank updates its share of the parameters and broadcasts it).
-Sharding the parameters and gradients too (FSDP2) is not implemented: the rollout would then
-gather every weight before each quantization, which replicas never need.
+Sharding the parameters and gradients too, FSDP-style, would make the rollout gather every BF16
+weight before each quantization. ``grpo.shard_weights`` (jetrl/fp8/weight_shard.py) shards them under
+an FP8-trained recipe instead: each rank quantizes its own rows once per optimizer step and the ranks
+all-gather FP8 codes, the only form of the weight the layers and the rollout read.
 
 The math. Optimizer step g of one RL step sums the losses of its micro-batches m with the loss
 type's weights w_m (trainer.py ``_micro_batch_weight``):
@@ -51,6 +53,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from jetrl.fp8.weight_shard import contiguous_share, shard_of
+
 WEIGHT = "@weight"  # metrics[key + WEIGHT]: what metrics[key] averages over, for the merge over ranks
 COLLECTIVE_TIMEOUT_MIN = 60  # how long a rank waits in a collective before the job is aborted
 BUCKET_ELEMENTS = 1 << 25  # gradients are all-reduced in flat buckets of up to 32M elements (one dtype each)
@@ -76,9 +80,7 @@ class Replicas:
     def shard_range(self, n: int) -> range:
         """The indices of this rank's contiguous block of ``n`` items (the first ``n % world_size`` ranks hold one
         more)."""
-        base, extra = divmod(n, self.world_size)
-        start = self.rank * base + min(self.rank, extra)
-        return range(start, start + base + (self.rank < extra))
+        return contiguous_share(n, self.rank, self.world_size)
 
     # ------------------------------------------------------------------ collectives
     def _reduce(self, values: Sequence[float], op: str) -> list[float]:
@@ -173,7 +175,8 @@ class Replicas:
             return
         import torch.distributed as dist
 
-        params = [p for p in module.parameters() if p.requires_grad]
+        # a sharded weight's gradient was reduce-scattered in its layer's backward (jetrl/fp8/weight_shard.py)
+        params = [p for p in module.parameters() if p.requires_grad and shard_of(p) is None]
         has = self.max([p.grad is not None for p in params])
         grads = []
         for p, any_rank in zip(params, has):
@@ -196,14 +199,36 @@ class Replicas:
         the trainer; training on would then sum gradients of different models."""
         if not self.distributed:
             return
+        whole = [(name, p) for name, p in module.named_parameters() if shard_of(p) is None]  # shards differ by design
         with torch.no_grad():
-            local = [_checksum(p.detach()) for p in module.parameters()]
+            local = [_checksum(p.detach()) for _, p in whole]
         every = self.gather_objects(local)
-        differ = [name for (name, _), *sums in zip(module.named_parameters(), *every) if len(set(sums)) > 1]
+        differ = [name for (name, _), *sums in zip(whole, *every) if len(set(sums)) > 1]
         if differ:
             raise RuntimeError(f"{when}: the data-parallel replicas' weights differ ({len(differ)} parameters, first "
                                f"{differ[0]}): the ranks loaded different starts, or something changed one rank's "
                                "weights outside the trainer; start again, or resume from the last checkpoint")
+
+    def clip_gradients(self, params: list[nn.Parameter], max_norm: float) -> float:
+        """The global L2 norm of ``params``' gradients, after scaling them by ``max_norm / norm`` where that is below
+        1 (``max_norm`` > 0), as ``torch.nn.utils.clip_grad_norm_`` does. A sharded weight's gradient is one rank's
+        rows: its squares are summed over the ranks, a whole parameter's (the same on every rank) counted once."""
+        sharded = [p.grad for p in params if shard_of(p) is not None]
+        if not sharded:
+            if max_norm > 0:
+                return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+        whole = [p.grad for p in params if shard_of(p) is None]
+
+        def squares(grads: list[torch.Tensor]) -> float:  # one device sync
+            return float(torch.stack([g.float().square().sum() for g in grads]).sum()) if grads else 0.0
+
+        norm = math.sqrt(self.sum([squares(sharded)])[0] + squares(whole))
+        if max_norm > 0 and math.isfinite(norm):
+            coef = min(max_norm / (norm + 1e-6), 1.0)
+            if coef < 1.0:
+                torch._foreach_mul_([p.grad for p in params], coef)
+        return norm
 
     # ------------------------------------------------------------------ metrics
     def merge_metrics(self, metrics: dict[str, float]) -> dict[str, float]:

@@ -100,6 +100,7 @@ from jetrl.fp8.convert import float8_modules
 from jetrl.fp8.linear import clear_shared_input
 from jetrl.fp8.recipe import current_phase
 from jetrl.fp8.weight_cache import recorded_weight_reads
+from jetrl.fp8.weight_shard import sharded_parameters
 from jetrl.models.stacked_projections import refresh_stacked_projections
 
 DEFAULT_LENGTH_MULTIPLE = 128
@@ -416,4 +417,6 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return "the model has no parameters"
     if device.type != "cuda":
         return f"the model is on {device}, and CUDA graphs need a CUDA device"
+    if sharded_parameters(model):
+        return "its FP8 weights are sharded (grpo.shard_weights): each layer's backward reduce-scatters its gradient"
     return None

@@ -17,7 +17,9 @@
 
 Data parallel (torchrun, ``replicas``): each rank rolls out its block of the step's prompts on its
 own replica and the ranks sum gradients before each optimizer step, with every loss weight taken
-over all ranks' micro-batches (replicas.py gives the math); one process runs no collective.
+over all ranks' micro-batches (replicas.py gives the math); one process runs no collective. With
+``grpo.shard_weights`` each rank holds 1/N of every FP8 layer's master weight (jetrl/fp8/weight_shard.py): the
+layers reduce-scatter their gradients in backward, so the ranks run their micro-batches in lockstep.
 
 This file only orchestrates; the math lives in the pure functions it calls. The recipe's
 rollout-subgraph check runs in the constructor, so an undeclared off-policy flow never starts.
@@ -50,6 +52,7 @@ from jetrl.fp8 import (
     refresh_weight_caches,
     track_optimizer,
 )
+from jetrl.fp8.weight_shard import shard_fp8_weights
 from jetrl.models.stacked_projections import remove_stacked_projections
 from jetrl.rewards import math_reward, resolve_reward_funcs
 from jetrl.rl.batch import RolloutBatch, completion_logprobs
@@ -101,6 +104,12 @@ class GRPOTrainer:
         self.prompt_ids = prompt_ids if prompt_ids is not None else encode_prompts(
             self.records, tokenizer, system_prompt=system_prompt, max_prompt_length=args.max_prompt_length,
             template_kwargs=args.chat_template_kwargs)
+        self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if args.beta > 0 else None
+        if self.ref_model is not None:  # it scores whole sequences (large M): a stacked BF16 copy would buy nothing
+            remove_stacked_projections(self.ref_model)
+        self.sharded = args.shard_weights and self.replicas.distributed  # after the reference took whole weights
+        if self.sharded:
+            shard_fp8_weights(self.model, self.replicas.rank, self.replicas.world_size)
         params = list(self.model.parameters())
         # fused AdamW on CUDA: one pass over parameters, gradients and states instead of foreach's dozen
         # (foreach: 38 ms of GPU time per step at 2.8B parameters, bench/profile_training.py); CPU keeps
@@ -112,9 +121,6 @@ class GRPOTrainer:
         # fused AdamW does not bump parameter versions (nor does a sharded optimizer's broadcast of the updated ones):
         # the FP8 caches key on them
         track_optimizer(self.optimizer)
-        self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if args.beta > 0 else None
-        if self.ref_model is not None:  # it scores whole sequences (large M): a stacked BF16 copy would buy nothing
-            remove_stacked_projections(self.ref_model)
         self.engine = Engine(self.model, tokenizer, max_slots=self.local_generation_batch_size,
                              max_len=args.max_prompt_length + args.max_completion_length, **(engine_kwargs or {}))
         self.train_graphs = self._resolve_train_graphs(args.train_cuda_graphs)
@@ -289,6 +295,9 @@ class GRPOTrainer:
             counts[3 * g: 3 * g + 3] = [sum(float(batch.completion_mask[r].sum()) for r in group),
                                         sum(len(r) for r in group), len(group)]
         counts = self.replicas.sum(counts)
+        # sharded weights: the most micro-batches any rank runs in each optimizer step
+        lockstep = [int(n) for n in self.replicas.max([len(groups[g]) if g < len(groups) else 0
+                                                        for g in range(steps)])] if self.sharded else None
         weights = None
         if batch is not None:
             weights, corr_stats = rollout_correction_weights(batch.old_logprobs, batch.rollout_logprobs,
@@ -328,6 +337,9 @@ class GRPOTrainer:
                     token_count += tokens_here
                     if iteration == 0 and g == 0:  # before this step's first optimizer update
                         first_pass.append((lp.detach().cpu(), sub.rollout_logprobs, sub.token_mask()))
+                if self.sharded:  # every rank runs as many backward passes: their layers reduce-scatter together
+                    for _ in range(lockstep[g] - (len(groups[g]) if g < len(groups) else 0)):
+                        self._null_backward()
                 if g >= len(groups) and self.train_graphs is not None:
                     self.train_graphs.bind_grads()  # the zeros this rank adds: the graphs' own gradient tensors
                 within = (iteration * steps + g) / (args.num_iterations * steps)  # the rate's position in this step
@@ -349,10 +361,7 @@ class GRPOTrainer:
         self.replicas.reduce_gradients(self.model)
         loss = self.replicas.sum([float(loss)])[0]
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if args.max_grad_norm > 0:
-            norm = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
-        else:
-            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+        norm = self.replicas.clip_gradients(params, args.max_grad_norm)
         if not (math.isfinite(norm) and math.isfinite(loss)):
             self.optimizer.zero_grad(set_to_none=True)
             self.nonfinite_steps += 1
@@ -373,6 +382,13 @@ class GRPOTrainer:
         if self.weight_refresh.refresh() and self.train_graphs is not None:
             self.train_graphs.assume_current(self.weight_refresh.keys)
         return norm
+
+    def _null_backward(self) -> None:
+        """A backward pass that adds nothing: a zero-weighted loss over one token, for a rank with fewer micro-batches
+        in an optimizer step than another when the FP8 weights are sharded (every layer's backward is a collective)."""
+        device = next(self.model.parameters()).device
+        logits = self.model(torch.zeros((1, 1), dtype=torch.long, device=device))
+        (logits.float().sum() * 0.0).backward()
 
     def _lr(self, within_step: float = 0.0) -> float:
         """The learning rate at ``within_step`` of RL step ``self.step`` (jetrl/rl/schedule.py)."""

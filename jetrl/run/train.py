@@ -41,6 +41,7 @@ from jetrl.rl.checkpoint import load_trainer_state, resume_checkpoint, save_chec
 from jetrl.rl.logger import MetricsLogger
 from jetrl.rl.metrics import MISMATCH_KEYS
 from jetrl.rl.replicas import Replicas, close_replicas, init_replicas
+from jetrl.rl.shard_state import whole_state
 from jetrl.rl.trainer import GRPOTrainer
 from jetrl.run.config import RunConfig, from_dict
 from jetrl.run.determinism import deterministic_algorithms
@@ -137,7 +138,8 @@ def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str)
         run_dir.mkdir(parents=True, exist_ok=True)
         _atomic_text(run_dir / "config.yaml", cfg.to_yaml())
     say(f"jetrl train: preset={cfg.preset} recipe={cfg.recipe} model={source} device={device} run_dir={run_dir}"
-        + (f" data-parallel ranks={replicas.world_size}" if replicas.distributed else ""))
+        + (f" data-parallel ranks={replicas.world_size}" if replicas.distributed else "")
+        + (" (FP8 weights sharded)" if trainer.sharded else ""))
     say(cfg.to_yaml().rstrip())
     say(f"precision flow: {json.dumps(trainer.recipe.metadata())}; exact mode: {exact_requested()}; "
         f"deterministic algorithms: {torch.are_deterministic_algorithms_enabled()}; "
@@ -196,10 +198,12 @@ def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str)
         if (cfg.save_steps and step % cfg.save_steps == 0) or step == cfg.grpo.max_steps:
             replicas.check_in_sync(model, f"checkpoint of step {step}")
             replicas.gather_optimizer_state(trainer.optimizer)
+            # sharded weights: rank 0 writes them whole, as one process would (jetrl/rl/shard_state.py)
+            whole = whole_state(model, trainer.optimizer, main) if trainer.sharded else None
             if main:
                 save_checkpoint(run_dir, step, model, tokenizer, trainer.optimizer,
                                 {**trainer.state_dict(), "eval_accuracy_initial": eval_initial},
-                                keep_last=cfg.keep_last)
+                                keep_last=cfg.keep_last, whole=whole)
             replicas.barrier()  # the checkpoint is complete before any rank moves on
 
     try:
