@@ -168,10 +168,12 @@ def test_shard_weights_configuration_errors():
 
 
 def test_two_sharded_ranks_train_and_resume_bit_for_bit_as_one_process(tmp_path):
-    """Two ranks with sharded weights (the gradient unclipped: its norm sums shards in another order) end a run with
-    the very weights of one process; the checkpoint holds whole tensors, and a resume continues bit for bit."""
+    """Two ranks with sharded weights (the gradient unclipped: its norm sums shards in another order) and a KL term
+    end a run with the very weights of one process; the checkpoint holds whole tensors, and a resume continues bit
+    for bit."""
     two, one = tmp_path / "two", tmp_path / "one"
-    options = ("grpo.per_device_train_batch_size=8", "grpo.max_grad_norm=0", "keep_last=2")
+    # with a KL term: the reference, copied whole before the policy is sharded, keeps codes only (frozen.py)
+    options = ("grpo.per_device_train_batch_size=8", "grpo.max_grad_norm=0", "keep_last=2", "grpo.beta=0.05")
     with ThreadPoolExecutor(2) as pool:
         one_run = pool.submit(_train, one, "cpu", 1, "grpo.gradient_accumulation_steps=2", *options)
         _check_run_of_two_ranks(two, _train(two, "cpu", 2, "grpo.shard_weights=true", *options), pruned=False)

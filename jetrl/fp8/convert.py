@@ -91,6 +91,13 @@ def float8_modules(model: nn.Module) -> dict[str, Float8Linear]:
     return {fqn: m for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
 
 
+def reads_only_codes(module: Float8Linear) -> bool:
+    """Whether every pass of ``module`` reads its weight as the FP8 codes of one spec (training and rollout alike,
+    ``jet`` and ``jet_kv``): its BF16 master then serves only the optimizer and the quantizer."""
+    train = module.recipe.train.weight
+    return train is not None and module.recipe.rollout.weight == train
+
+
 def kv_quant_modules(model: nn.Module) -> dict[str, KVQuant]:
     """Attention fqn -> its installed KV transform."""
     return {fqn: m.kv_quant for fqn, m in model.named_modules() if isinstance(getattr(m, "kv_quant", None), KVQuant)}

@@ -198,7 +198,7 @@ def shard_fp8_weights(model: nn.Module, rank: int, world: int) -> int:
     same model (the ranks' replicas are checked equal before). The caches are filled first, from the whole weights,
     and keep those codes: the shards hold the same values, so no collective runs here. Raises if the recipe trains
     or rolls out on BF16 weights, which a rank holding a shard could not compute."""
-    from jetrl.fp8.convert import float8_modules, refresh_weight_caches
+    from jetrl.fp8.convert import float8_modules, reads_only_codes, refresh_weight_caches
 
     modules = float8_modules(model)
     if not modules:
@@ -207,7 +207,7 @@ def shard_fp8_weights(model: nn.Module, rank: int, world: int) -> int:
                          "grpo.shard_optimizer_state=true")
     for fqn, module in modules.items():
         train, rollout = module.recipe.train.weight, module.recipe.rollout.weight
-        if train is None or rollout not in (None, train):
+        if not reads_only_codes(module):
             raise ValueError(f"grpo.shard_weights: {fqn} under recipe {module.recipe.name!r} reads its BF16 weight "
                              f"(training {'BF16' if train is None else 'FP8'}, rollout "
                              f"{'BF16' if rollout is None else 'FP8'}), which a rank holding 1/{world} of it cannot "

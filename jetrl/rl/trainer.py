@@ -52,6 +52,7 @@ from jetrl.fp8 import (
     refresh_weight_caches,
     track_optimizer,
 )
+from jetrl.fp8.frozen import drop_fp8_masters
 from jetrl.fp8.weight_shard import shard_fp8_weights
 from jetrl.models.stacked_projections import remove_stacked_projections
 from jetrl.rewards import math_reward, resolve_reward_funcs
@@ -107,6 +108,7 @@ class GRPOTrainer:
         self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if args.beta > 0 else None
         if self.ref_model is not None:  # it scores whole sequences (large M): a stacked BF16 copy would buy nothing
             remove_stacked_projections(self.ref_model)
+            drop_fp8_masters(self.ref_model)  # under jet / jet_kv its FP8 layers read only their codes (frozen.py)
         self.sharded = args.shard_weights and self.replicas.distributed  # after the reference took whole weights
         if self.sharded:
             shard_fp8_weights(self.model, self.replicas.rank, self.replicas.world_size)
