@@ -79,17 +79,20 @@ def test_reference_model_keeps_no_bf16_stack():
 
 
 def test_kl_reference_model_under_an_fp8_recipe():
-    """beta > 0 deep-copies the converted policy as the KL reference (its FP8 caches and memos copy empty). Under
-    `jet` its FP8 layers keep their codes only (jetrl/fp8/frozen.py): each BF16 master is a one-element placeholder,
-    and the reference scores exactly as the start policy does."""
+    """beta > 0 copies the converted policy as the KL reference (jetrl/fp8/frozen.py). Under `jet` its FP8 layers
+    keep their codes only: each BF16 master is a one-element placeholder, the reference scores exactly as the start
+    policy does, and its codes are its own (the policy's in-place refresh after a step leaves them)."""
     trainer = _trainer("jet", beta=0.05)
     layers = float8_modules(trainer.ref_model)
     assert layers and all(m.weight.untyped_storage().nbytes() <= 4 for m in layers.values())
     ids = torch.randint(3, 60, (2, 9))
     with torch.no_grad():
-        assert torch.equal(trainer.ref_model(ids), trainer.model(ids))  # one step in, they part
+        start = trainer.ref_model(ids)
+        assert torch.equal(start, trainer.model(ids))
     metrics = trainer.train_step()
     assert trainer.ref_model is not None and trainer.optimizer_steps == 1
+    with torch.no_grad():
+        assert torch.equal(trainer.ref_model(ids), start) and not torch.equal(trainer.model(ids), start)
     off_policy = float8_modules(_trainer("fp8_rollout", beta=0.05).ref_model).values()  # trains on its BF16 masters
     assert off_policy and all(m.weight.untyped_storage().nbytes() == m.weight.numel() * m.weight.element_size()
                               for m in off_policy)

@@ -28,7 +28,6 @@ Everything random derives from ``(args.seed, step)``, which is what makes ``resu
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -52,7 +51,7 @@ from jetrl.fp8 import (
     refresh_weight_caches,
     track_optimizer,
 )
-from jetrl.fp8.frozen import drop_fp8_masters
+from jetrl.fp8.frozen import frozen_copy
 from jetrl.fp8.weight_shard import shard_fp8_weights
 from jetrl.models.stacked_projections import remove_stacked_projections
 from jetrl.rewards import math_reward, resolve_reward_funcs
@@ -105,10 +104,10 @@ class GRPOTrainer:
         self.prompt_ids = prompt_ids if prompt_ids is not None else encode_prompts(
             self.records, tokenizer, system_prompt=system_prompt, max_prompt_length=args.max_prompt_length,
             template_kwargs=args.chat_template_kwargs)
-        self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if args.beta > 0 else None
+        # under jet / jet_kv the reference's FP8 layers hold their codes only (frozen.py)
+        self.ref_model = frozen_copy(self.model) if args.beta > 0 else None
         if self.ref_model is not None:  # it scores whole sequences (large M): a stacked BF16 copy would buy nothing
             remove_stacked_projections(self.ref_model)
-            drop_fp8_masters(self.ref_model)  # under jet / jet_kv its FP8 layers read only their codes (frozen.py)
         self.sharded = args.shard_weights and self.replicas.distributed  # after the reference took whole weights
         if self.sharded:
             shard_fp8_weights(self.model, self.replicas.rank, self.replicas.world_size)
