@@ -2,8 +2,8 @@
 
 Why. A replica (jetrl/rl/replicas.py) holds per parameter of an FP8 layer its BF16 master (2 bytes), its BF16
 gradient (2), its AdamW moments (4, in the master's dtype) and the FP8 codes of W and W^T the trainer and the
-rollout read (2): 10 bytes, 6 + 4/N with ZeRO-1. A 32B model needs 208 GB per GPU so, more than an H200 holds.
-Sharding the master, its gradient and its moments over N ranks leaves 2 + 8/N bytes (32B on 8 GPUs: 96 GB).
+rollout read (2): 10 bytes, 6 + 4/N with ZeRO-1. On 8 GPUs a 32B model so needs 208 GB per GPU, more than an H200
+holds. Sharding the master, its gradient and its moments over N ranks leaves 2 + 8/N bytes (32B on 8 GPUs: 96 GB).
 
 Why this needs no weight gather in forward or backward, unlike FSDP. Under an FP8-trained recipe (``jet``,
 ``jet_kv``) a layer's three GEMMs never read the BF16 weight:

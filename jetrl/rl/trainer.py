@@ -108,7 +108,7 @@ class GRPOTrainer:
         self.ref_model = frozen_copy(self.model) if args.beta > 0 else None
         if self.ref_model is not None:  # it scores whole sequences (large M): a stacked BF16 copy would buy nothing
             remove_stacked_projections(self.ref_model)
-        self.sharded = args.shard_weights and self.replicas.distributed  # after the reference took whole weights
+        self.sharded = args.shard_weights and self.replicas.distributed  # after the reference copied the whole codes
         if self.sharded:
             shard_fp8_weights(self.model, self.replicas.rank, self.replicas.world_size)
         params = list(self.model.parameters())
