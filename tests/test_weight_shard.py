@@ -174,10 +174,11 @@ def test_two_sharded_ranks_train_and_resume_bit_for_bit_as_one_process(tmp_path)
     two, one = tmp_path / "two", tmp_path / "one"
     # with a KL term: the reference, copied whole before the policy is sharded, keeps codes only (frozen.py)
     options = ("grpo.per_device_train_batch_size=8", "grpo.max_grad_norm=0", "keep_last=2", "grpo.beta=0.05")
-    with ThreadPoolExecutor(2) as pool:
-        one_run = pool.submit(_train, one, "cpu", 1, "grpo.gradient_accumulation_steps=2", *options)
+    with ThreadPoolExecutor(2) as pool:  # the option has no effect on one process, and says so
+        one_run = pool.submit(_train, one, "cpu", 1, "grpo.gradient_accumulation_steps=2", "grpo.shard_weights=true",
+                              *options)
         _check_run_of_two_ranks(two, _train(two, "cpu", 2, "grpo.shard_weights=true", *options), pruned=False)
-        one_run.result()
+        assert "grpo.shard_weights=true has no effect on one process" in one_run.result().stdout
     weights = "checkpoints/step_000002/model.safetensors"
     assert (two / weights).read_bytes() == (one / weights).read_bytes()
     uninterrupted = (two / weights).read_bytes()

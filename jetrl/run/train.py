@@ -141,6 +141,9 @@ def _run_training(cfg: RunConfig, resume: bool, replicas: Replicas, device: str)
         + (f" data-parallel ranks={replicas.world_size}" if replicas.distributed else "")
         + (" (FP8 weights sharded)" if trainer.sharded else ""))
     say(cfg.to_yaml().rstrip())
+    for name in ("shard_weights", "shard_optimizer_state"):
+        if getattr(cfg.grpo, name) and not replicas.distributed:
+            say(f"note: grpo.{name}=true has no effect on one process: it splits state over torchrun's ranks")
     say(f"precision flow: {json.dumps(trainer.recipe.metadata())}; exact mode: {exact_requested()}; "
         f"deterministic algorithms: {torch.are_deterministic_algorithms_enabled()}; "
         f"old logprobs: {trainer.old_logprobs_source}; training CUDA graphs: "
