@@ -85,6 +85,13 @@ def test_kl_reference_model_under_an_fp8_recipe():
     trainer = _trainer("jet", beta=0.05)
     layers = float8_modules(trainer.ref_model)
     assert layers and all(m.weight.untyped_storage().nbytes() <= 4 for m in layers.values())
+    policy = float8_modules(trainer.model)
+    for name, layer in layers.items():  # copies of the codes, not the policy's buffers
+        ours, theirs = layer.weight_cache._weight.codes, policy[name].weight_cache._weight.codes
+        assert ours.untyped_storage().data_ptr() != theirs.untyped_storage().data_ptr(), name
+    layer = next(iter(layers.values()))
+    with pytest.raises(RuntimeError, match="frozen copy holds only the codes"):  # moved: no zeros quantized
+        layer.weight_cache.get(torch.zeros(layer.weight.shape), trainer.recipe.train.weight)
     ids = torch.randint(3, 60, (2, 9))
     with torch.no_grad():
         start = trainer.ref_model(ids)

@@ -19,7 +19,7 @@ import torch
 
 from jetrl.data import synthetic_split
 from jetrl.fp8.quant import quantize
-from jetrl.fp8.weight_shard import WeightShard, shard_of, weight_gathers
+from jetrl.fp8.weight_shard import WeightShard, shard_of, take_reduction_checksum, weight_gathers
 from jetrl.models.llama import CausalLM
 from jetrl.models.tiny import build_tiny_tokenizer, tiny_model_config
 from jetrl.models.tokenizer import Tokenizer
@@ -63,10 +63,10 @@ def _check_collectives(rank: int, device: str) -> list[str]:
     return problems
 
 
-def _trainer(replicas: Replicas, shard: bool, max_grad_norm: float) -> GRPOTrainer:
+def _trainer(replicas: Replicas, shard: bool, max_grad_norm: float, accumulation: int = 1) -> GRPOTrainer:
     torch.manual_seed(0)
     args = GRPOConfig(learning_rate=1e-3, num_generations=2, generation_batch_size=16, per_device_train_batch_size=2,
-                      gradient_accumulation_steps=1, max_prompt_length=32, max_completion_length=8,
+                      gradient_accumulation_steps=accumulation, max_prompt_length=32, max_completion_length=8,
                       max_grad_norm=max_grad_norm, old_logprobs="recompute", shard_weights=shard,
                       train_cuda_graphs="off")  # sharding turns them off; graphed layers would plan other micro-batches
     train, _ = synthetic_split(16, 0, 0)
@@ -80,10 +80,10 @@ def _whole_weights(trainer: GRPOTrainer) -> list[torch.Tensor]:
                 for p in trainer.model.parameters()]
 
 
-def _update(replicas: Replicas, shard: bool, rows, max_grad_norm: float = 0.0) -> dict:
+def _update(replicas: Replicas, shard: bool, rows, max_grad_norm: float = 0.0, accumulation: int = 1) -> dict:
     """The whole gradient of each optimizer step and the whole weights after one `_update` over ``rows`` of the fixed
     batch (None: this rank has none), and its grad_norm."""
-    trainer = _trainer(replicas, shard, max_grad_norm)
+    trainer = _trainer(replicas, shard, max_grad_norm, accumulation)
     assert trainer.sharded == shard and shard == any(shard_of(p) is not None for p in trainer.model.parameters())
     grads: list[list[torch.Tensor]] = []  # a sharded one gathered: every rank runs the hook, in the same order
     trainer.optimizer.register_step_pre_hook(lambda opt, *_: grads.append(
@@ -119,6 +119,11 @@ def _worker(rank: int, store: str, out: str, device: str) -> None:
                 result[name] = [_update(replicas, shard, rows) for shard in (False, True)]
             rows = slice(4 * rank, 4 * rank + 4)
             result["clipped"] = [_update(replicas, shard, rows, max_grad_norm=1e-3) for shard in (False, True)]
+            # one optimizer step of 2 micro-batches per rank; then rank 1 with 1 of them (a zero-weighted pass within
+            # the step): the shards sum micro-batch by micro-batch, the replicas rank by rank -- to rounding
+            result["accumulated"] = [_update(replicas, shard, rows, accumulation=2) for shard in (False, True)]
+            rows = slice(0, 4) if rank == 0 else slice(4, 6)
+            result["fewer_in_step"] = [_update(replicas, shard, rows, accumulation=2) for shard in (False, True)]
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -147,11 +152,32 @@ def test_sharded_weights_over_two_ranks(tmp_path, device):
                 assert torch.equal(a, b), f"{name}: parameter {i} differs from the replicas' update"
         for i, (a, b) in enumerate(zip(sharded["weights"], ranks[1][name][1]["weights"])):
             assert torch.equal(a, b), f"{name}: the ranks' gathered weights differ at parameter {i}"
+    for name in ("accumulated", "fewer_in_step"):
+        whole, sharded = ranks[0][name]
+        assert len(whole["grads"]) == len(sharded["grads"]) == 1, f"{name}: optimizer steps"
+        for i, (a, b) in enumerate(zip(whole["grads"][0], sharded["grads"][0], strict=True)):
+            assert a.abs().max() > 0, f"{name}: parameter {i} has a zero gradient (an empty check)"
+            err = float((a - b).abs().max() / a.abs().max())
+            assert err < 1e-5, f"{name}: parameter {i}: max error {err:.2e} of its max"
     whole, sharded = ranks[0]["clipped"]
     assert sharded["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5) and whole["grad_norm"] > 1e-3
     if device == "cpu":  # clipped: the norm is summed in another order, and the coefficient with it
         for a, b in zip(whole["weights"], sharded["weights"], strict=True):
             assert float((a - b).abs().max()) <= 1e-6 * max(float(a.abs().max()), 1.0)
+
+
+def test_the_reduction_checksum_follows_the_order():
+    """What the trainer compares over the ranks at each optimizer step: the sequence of reduced weights, in order
+    (one process: the reduction is the identity, the checksum still counts)."""
+    take_reduction_checksum()
+    k, v = WeightShard((64, 128), 128, 0, 1, "k_proj"), WeightShard((64, 128), 128, 0, 1, "v_proj")
+    grad = torch.ones(64, 128)
+    sums = []
+    for order in ((k, v), (v, k), (k, v)):
+        for shard in order:
+            assert shard.reduce(grad) is grad
+        sums.append(take_reduction_checksum())
+    assert sums[0] == sums[2] != sums[1] and take_reduction_checksum() == 0
 
 
 def test_shard_weights_configuration_errors():
@@ -165,6 +191,10 @@ def test_shard_weights_configuration_errors():
         shard_fp8_weights(model, 0, 2)
     with pytest.raises(ValueError, match="no FP8 layers"):
         shard_fp8_weights(convert_to_float8(CausalLM(tiny_model_config()), get_recipe("bf16")), 0, 2)
+    model = convert_to_float8(CausalLM(tiny_model_config()), get_recipe("jet"))
+    shard_fp8_weights(model, 0, 2)  # no collective: the caches are filled from the whole weights, then re-keyed
+    with pytest.raises(ValueError, match="sharded already"):
+        shard_fp8_weights(model, 0, 2)
 
 
 def test_two_sharded_ranks_train_and_resume_bit_for_bit_as_one_process(tmp_path):

@@ -9,8 +9,9 @@ GiB at the 8B's 36 layers, on every data-parallel rank.
 placeholder of the same shape, dtype and device that stores one element (a zero broadcast by strides). The master
 is never copied, not even for a moment, and the copy's cache holds a copy of the codes, re-keyed to the placeholder
 (weight_cache.py ``rekey``). Every later read returns those codes, so the reference's logprobs are the very ones a
-full copy would give (tests/test_trainer.py). Nothing may write to the placeholder: a write would bump its version
-and re-quantize zeros. The copy is therefore frozen (``requires_grad_(False)``) and holds no optimizer.
+full copy would give (tests/test_trainer.py). The copy is frozen (``requires_grad_(False)``, no optimizer), and its
+caches refuse to quantize again: a written or moved placeholder (``.to()`` materializes zeros) raises instead of
+quantizing zeros. W^T and a CPU weight's memoized dequantization are not copied either.
 
 Layers that read their BF16 weight keep a copy of it: ``bf16``, ``fp8_rollout`` and ``fp8kv_rollout``, which all
 train in BF16.
@@ -31,13 +32,26 @@ def frozen_copy(model: nn.Module) -> nn.Module:
     modules = {fqn: m for fqn, m in float8_modules(model).items() if reads_only_codes(m)}
     if modules:
         refresh_weight_caches(model)  # the codes the copy takes
-    memo = {id(m.weight): nn.Parameter(torch.zeros((), dtype=m.weight.dtype, device=m.weight.device)
-                                       .expand(m.weight.shape), requires_grad=False) for m in modules.values()}
+    memo: dict[int, object] = {id(m.weight): nn.Parameter(
+        torch.zeros((), dtype=m.weight.dtype, device=m.weight.device).expand(m.weight.shape), requires_grad=False)
+        for m in modules.values()}
+    # nor does it copy what a cache derives from the codes -- W^T and W_s^T (backward only), a CPU weight's memoized
+    # dequantization -- which a reused policy may hold
+    for m in modules.values():
+        cache, group = m.weight_cache, m.projection_group
+        derived = [cache._weight_t, getattr(cache._weight, "_memo", None), group and group._stacked_t]
+        memo.update({id(x): None for x in derived if x is not None})
     frozen = copy.deepcopy(model, memo).requires_grad_(False)
     for fqn, module in modules.items():
         spec, original = module.recipe.train.weight, module.weight
         if not module.weight_cache.is_current(original, spec):
             raise RuntimeError(f"{fqn}: its FP8 codes are not current after a refresh")
         copied = frozen.get_submodule(fqn)
-        copied.weight_cache.rekey(copied.weight, spec)  # the copied codes are q(W) of the master it never copied
+        cache = copied.weight_cache
+        cache.rekey(copied.weight, spec)  # the copied codes are q(W) of the master it never copied
+        cache.frozen = True  # a moved or written placeholder raises instead of quantizing zeros
+        if cache._weight.codes.device.type == "cpu":
+            cache._weight.memoize()  # its own memo (the policy's was not copied)
+        if copied.projection_group is not None:
+            copied.projection_group._stacked_t_key = None
     return frozen

@@ -179,11 +179,16 @@ class WeightCache:
         self._weight_t: Float8Blocks | None = None
         self._transposed_stale = True
         self.shard: WeightShard | None = None  # set when the weight is a data-parallel shard (weight_shard.py)
+        self.frozen = False  # the codes stand for a weight the module no longer holds (frozen.py): never re-quantize
 
     def get(self, weight: torch.Tensor, spec: QuantSpec) -> Float8Blocks:
         """q(W) in ``spec``'s blocks, quantized only if ``weight`` changed since the last call."""
         key = self._key_of(weight, spec)
         if key != self._key:
+            if self.frozen:
+                raise RuntimeError(f"{self.name}: a frozen copy holds only the codes of this weight, but its "
+                                   "placeholder was written or moved (e.g. by .to()); make the frozen copy again from "
+                                   "the model (jetrl.fp8.frozen.frozen_copy) on the target device")
             old, deferred = self._weight, _deferred.pending
             # In place when the layout is unchanged: the buffers keep their addresses, so CUDA graphs
             # captured by the engine read the new version with no recapture (zero weight sync).
@@ -317,7 +322,8 @@ class WeightCache:
 
     def rekey(self, weight: torch.Tensor, spec: QuantSpec) -> None:
         """Hold the current codes as q(``weight``) for its current version: ``weight`` replaced the parameter they
-        were quantized from and holds the same values (a shard of it, weight_shard.py)."""
+        were quantized from -- this rank's rows of it (weight_shard.py), or a placeholder in a frozen copy
+        (frozen.py, which also sets :attr:`frozen`)."""
         self._key = self._key_of(weight, spec)
         self._changed()
 

@@ -21,20 +21,23 @@ the rows R_r (the block rows of :meth:`~jetrl.rl.replicas.Replicas.shard_range`)
   BF16 weights, and no rank ever holds them.
 * **Gradients (every micro-batch).** A layer's backward computes this rank's dW over the whole weight and
   reduce-scatters it: rank r keeps sum over ranks of dW[R_r], accumulated into its shard's gradient. One layer's dW
-  is alive at a time. The replicas' all-reduce at the optimizer step sums the same terms.
+  (one projection group's) is alive at a time. The replicas' all-reduce at the optimizer step sums the same terms,
+  in another order when a rank holds several micro-batches per optimizer step (rounding-level differences).
 * **Update.** AdamW is element-wise: rank r's update of R_r is the rows R_r of the whole update.
 
 The price is lockstep: a collective in every layer's backward means every rank runs as many backward passes per
 optimizer step, in the same layer order (the trainer pads a rank with fewer micro-batches with zero-weighted ones),
 and the gathers run only inside :func:`~jetrl.fp8.convert.refresh_weight_caches`, which every rank calls together
 (after each optimizer step, and on resume). A cache found stale anywhere else raises instead of hanging the other
-ranks in a collective.
+ranks in a collective. Collectives pair by their order, so the trainer also compares each rank's sequence of
+reduced weights at every optimizer step (:func:`take_reduction_checksum`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import zlib
 from collections.abc import Iterator
 
 import torch
@@ -50,6 +53,21 @@ class _Gathers(threading.local):
 
 
 _gathers = _Gathers()
+
+
+class _Reductions:  # not thread-local: autograd runs a CUDA backward on a thread of its own
+    checksum = 0  # of the names of the weights reduced since the last take_reduction_checksum, in order
+
+
+_reductions = _Reductions()
+
+
+def take_reduction_checksum() -> int:
+    """A checksum (< 2**32) of the sequence of weights whose gradients this rank reduce-scattered since the last
+    call, and start a new one. Backward collectives pair by their order, and two layers of one shape (k_proj, v_proj)
+    would pair silently with each other's: the trainer compares this over the ranks at every optimizer step."""
+    value, _reductions.checksum = _reductions.checksum, 0
+    return value
 
 
 @contextlib.contextmanager
@@ -139,6 +157,7 @@ class WeightShard:
     # ------------------------------------------------------------------ backward: reduce-scatter dW
     def reduce(self, grad: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the sum over ranks of the full-shape ``grad`` (a new tensor)."""
+        _reductions.checksum = zlib.crc32(self.name.encode(), _reductions.checksum)
         if self.world == 1:
             return grad
         chunk = self.blocks_per_rank * self.block_rows
@@ -150,7 +169,7 @@ class WeightShard:
             grad = padded
         out = grad.new_empty((chunk, grad.shape[1]))
         _collective("reduce_scatter_tensor", out, grad)
-        return out[:len(self.rows)]
+        return out if len(self.rows) == chunk else out[:len(self.rows)].clone()  # no padded chunk kept as .grad
 
 
 def _through_host(t: torch.Tensor) -> bool:
@@ -207,6 +226,9 @@ def shard_fp8_weights(model: nn.Module, rank: int, world: int) -> int:
                          "grpo.shard_optimizer_state=true")
     for fqn, module in modules.items():
         train, rollout = module.recipe.train.weight, module.recipe.rollout.weight
+        if shard_of(module.weight) is not None:
+            raise ValueError(f"{fqn}: its weight is sharded already (a second trainer on the same model?); build "
+                             "the model again")
         if not reads_only_codes(module):
             raise ValueError(f"grpo.shard_weights: {fqn} under recipe {module.recipe.name!r} reads its BF16 weight "
                              f"(training {'BF16' if train is None else 'FP8'}, rollout "

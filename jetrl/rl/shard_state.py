@@ -1,7 +1,9 @@
 """Checkpoints of sharded FP8 weights (jetrl/fp8/weight_shard.py) in the format of a whole model.
 
-A checkpoint holds whole tensors whatever the run's layout: the ranks gather every sharded master and its AdamW
-moments to rank 0, which writes them as one process would; a resume takes each rank's rows back. So a checkpoint
+A checkpoint holds whole tensors whatever the run's layout. The ranks all-gather each sharded master and each of its
+AdamW moments in turn (one whole tensor on the device at a time), and rank 0 keeps them on its host until it writes
+them as one process would: about 3x the FP8 layers' BF16 bytes of host memory on rank 0 (~190 GB at 32B). A resume
+takes each rank's rows back. So a checkpoint
 of a sharded run resumes with or without sharding and on any number of ranks, ``jetrl export`` and ``jetrl eval
 --run`` read it as any other, and a replicas checkpoint resumes sharded.
 """

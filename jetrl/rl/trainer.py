@@ -52,7 +52,7 @@ from jetrl.fp8 import (
     track_optimizer,
 )
 from jetrl.fp8.frozen import frozen_copy
-from jetrl.fp8.weight_shard import shard_fp8_weights
+from jetrl.fp8.weight_shard import shard_fp8_weights, take_reduction_checksum
 from jetrl.models.stacked_projections import remove_stacked_projections
 from jetrl.rewards import math_reward, resolve_reward_funcs
 from jetrl.rl.batch import RolloutBatch, completion_logprobs
@@ -361,6 +361,13 @@ class GRPOTrainer:
         args = self.args
         self.replicas.reduce_gradients(self.model)
         loss = self.replicas.sum([float(loss)])[0]
+        if self.sharded:  # the backward reduce-scatters paired weight with weight on every rank (weight_shard.py)
+            mine = take_reduction_checksum()
+            high, low = self.replicas.max([mine, -mine])
+            if high != -low:
+                raise RuntimeError("the data-parallel ranks reduce-scattered their sharded weights' gradients in "
+                                   "different orders, so some summed one layer's gradient with another's; this is a "
+                                   "jetrl bug (please report it), and grpo.shard_weights=false avoids it")
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = self.replicas.clip_gradients(params, args.max_grad_norm)
         if not (math.isfinite(norm) and math.isfinite(loss)):
