@@ -1,7 +1,7 @@
 """The tiny adder start policy: its character tokenizer and chat template, the FP8-friendly
-config, the SFT data, the atomic cache, and (slow) a real build with its held-out accuracies.
+config, the SFT data, the atomic cache, a real (shortened) build, and the shipped start's held-out accuracies.
 
-Bounds of the slow test, from measurements (package docstring of jetrl.models.tiny): seed 0
+Bounds of the slow test on the shipped start, from measurements (package docstring of jetrl.models.tiny): seed 0
 gave greedy 0-3% and sampled 28-32% in three builds; 8 seeds gave greedy <= 10.5%, sampled
 25-32%, >= 85% of samples in {S, S + 10}. The test allows greedy <= 15%, sampled in [18%, 42%]
 (p = 0.3 plus sampling noise and seed spread), >= 80% of samples in {S, S + 10}, >= 95%
@@ -179,39 +179,50 @@ def test_cache_is_reused_rebuilt_when_incomplete_and_never_half_written(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, other.name])  # no half-written dir
 
 
-# ---------------------------------------------------------------- the real build (slow)
+# ---------------------------------------------------------------- the shipped start and a real build
 
 
-@pytest.fixture(scope="session")
-def built_start():
-    """The default cache (built here if missing), so CI builds the start once for every test that needs it."""
-    threads = torch.get_num_threads()
-    t0 = time.perf_counter()
-    path = tiny_start_checkpoint()
-    assert torch.get_num_threads() == threads
-    return path.parent, path, time.perf_counter() - t0
-
-
-@pytest.mark.slow
-def test_tiny_start_builds_loads_and_is_cached(built_start):
-    root, path, _ = built_start
-    assert path == root / "tiny-adder-v1-seed0"
+def test_the_shipped_start_is_the_default_build_and_is_used_as_is(tmp_path):
+    path = tiny_start_checkpoint(tmp_path / "cache")
+    assert path == tiny.cache.SHIPPED_DIR and not (tmp_path / "cache").exists()  # nothing built, nothing written
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "tiny_start.json"):
         assert (path / name).is_file()
-    stamps = {p.name: p.stat().st_mtime_ns for p in path.iterdir()}
-    t0 = time.perf_counter()
-    assert tiny_start_checkpoint(root) == path
-    assert time.perf_counter() - t0 < 2.0  # cached: no rebuild
-    assert {p.name: p.stat().st_mtime_ns for p in path.iterdir()} == stamps
+    meta = json.loads((path / "tiny_start.json").read_text())
+    rebuild = ("the shipped tiny start no longer matches the build asked for: rebuild it with `python -c 'from "
+               "jetrl.models.tiny import tiny_start_checkpoint as t; print(t(force=True))'` and copy that directory "
+               "over jetrl/models/tiny/start/")
+    assert (meta["kind"], meta["version"], meta["seed"]) == (tiny.TINY_KIND, tiny.TINY_VERSION, 0), rebuild
+    assert meta["sft"] == json.loads(json.dumps(dataclasses.asdict(TinySFTConfig()))), rebuild
+    assert meta["split"]["num_eval"] == tiny.NUM_EVAL
     _, config = load_pretrained(path, dtype=torch.float32)
     assert config.vocab_size == 112 and config.eos_token_id == load_tokenizer(path).eos_token_id
+    assert load_tokenizer(path).chat_template == build_tiny_tokenizer().chat_template
+
+
+def test_a_real_build_of_another_config_is_cached_and_loads(tmp_path):
+    """The SFT itself, shortened: another config builds into the cache once, the same seed gives the same bits, and
+    ``force`` builds again."""
+    sft = TinySFTConfig(steps=6, batch_size=32, warmup_steps=2, eval_problems=4, eval_samples=1, num_threads=1)
+    threads = torch.get_num_threads()
+    path = tiny_start_checkpoint(tmp_path, sft=sft)
+    assert torch.get_num_threads() == threads
+    assert path.parent == tmp_path and path.name.startswith("tiny-adder-v1-seed0-")
+    weights = (path / "model.safetensors").read_bytes()
+    stamps = {p.name: p.stat().st_mtime_ns for p in path.iterdir()}
+    t0 = time.perf_counter()
+    assert tiny_start_checkpoint(tmp_path, sft=sft) == path
+    assert time.perf_counter() - t0 < 2.0 and {p.name: p.stat().st_mtime_ns for p in path.iterdir()} == stamps
     meta = json.loads((path / "tiny_start.json").read_text())
-    assert meta["split"]["num_eval"] == tiny.NUM_EVAL and meta["seed"] == 0
+    assert meta["sft"]["steps"] == 6 and meta["greedy"]["n"] == 4
+    _, config = load_pretrained(path, dtype=torch.float32)
+    assert config.num_hidden_layers == sft.num_hidden_layers
+    assert tiny_start_checkpoint(tmp_path, sft=sft, force=True) == path
+    assert (path / "model.safetensors").read_bytes() == weights  # deterministic on one machine
 
 
 @pytest.mark.slow
-def test_tiny_start_is_wrong_greedily_and_right_when_sampling(built_start):
-    _, path, _ = built_start
+def test_tiny_start_is_wrong_greedily_and_right_when_sampling():
+    path = tiny_start_checkpoint()  # the shipped start
     model, _ = load_pretrained(path, dtype=torch.float32)
     tokenizer = load_tokenizer(path)
     held_out = tiny_task_split()[1][:200]

@@ -12,10 +12,12 @@ CUDA path -- the Triton quantizer, the stacked q/k/v and gate/up GEMMs -- does t
 
 import json
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from jetrl.data import synthetic_split
 from jetrl.fp8.quant import quantize
@@ -199,8 +201,8 @@ def test_shard_weights_configuration_errors():
 
 def test_two_sharded_ranks_train_and_resume_bit_for_bit_as_one_process(tmp_path):
     """Two ranks with sharded weights (the gradient unclipped: its norm sums shards in another order) and a KL term
-    end a run with the very weights of one process; the checkpoint holds whole tensors, and a resume continues bit
-    for bit."""
+    end a run with the very weights of one process; the checkpoint holds whole tensors, a resume continues bit for
+    bit, and one process resumes it too."""
     two, one = tmp_path / "two", tmp_path / "one"
     # with a KL term: the reference, copied whole before the policy is sharded, keeps codes only (frozen.py)
     options = ("grpo.per_device_train_batch_size=8", "grpo.max_grad_norm=0", "keep_last=2", "grpo.beta=0.05")
@@ -213,7 +215,22 @@ def test_two_sharded_ranks_train_and_resume_bit_for_bit_as_one_process(tmp_path)
     assert (two / weights).read_bytes() == (one / weights).read_bytes()
     uninterrupted = (two / weights).read_bytes()
     (two / "checkpoints" / "latest").write_text("step_000001")  # as if killed during step 2
-    proc = _jetrl_train(2, "--run-dir", str(two), "--resume")
+    alone = tmp_path / "alone"  # the same checkpoint, resumed by one process: another rank count, no shards
+    shutil.copytree(two, alone)
+    with ThreadPoolExecutor(2) as pool:
+        resumed_alone = pool.submit(_jetrl_train, 1, "--run-dir", str(alone), "--resume")
+        proc = _jetrl_train(2, "--run-dir", str(two), "--resume")
+        resumed_alone = resumed_alone.result()
     assert "resumed from" in proc.stdout
     assert (two / weights).read_bytes() == uninterrupted
     assert [json.loads(line)["step"] for line in (two / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    # one process reads the whole tensors rank 0 gathered; its step 2 has another batch split (per-device 8 of 16
+    # completions on one rank: two optimizer steps), so it continues, but not to the same bits
+    summary = json.loads(resumed_alone.stdout.splitlines()[-1])
+    assert "resumed from" in resumed_alone.stdout and summary["steps"] == 2
+    assert summary.get("data_parallel_ranks", 1) == 1
+    rows = [json.loads(line) for line in (alone / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2] and rows[-1]["optimizer_steps"] == rows[0]["optimizer_steps"] + 2
+    resumed_weights = load_file(str(alone / weights))
+    assert all(torch.isfinite(w).all() for w in resumed_weights.values())
+    assert resumed_weights.keys() == load_file(str(two / weights)).keys()

