@@ -200,9 +200,9 @@ def test_the_shipped_start_is_the_default_build_and_is_used_as_is(tmp_path):
 
 
 def test_a_real_build_of_another_config_is_cached_and_loads(tmp_path):
-    """The SFT itself, shortened: another config builds into the cache once, the same seed gives the same bits, and
-    ``force`` builds again."""
-    sft = TinySFTConfig(steps=6, batch_size=32, warmup_steps=2, eval_problems=4, eval_samples=1, num_threads=1)
+    """The SFT itself, shortened: another config builds into the cache once, and ``force`` builds it again to the same
+    bits, whichever thread count the tuner picked for each step."""
+    sft = TinySFTConfig(steps=6, batch_size=32, warmup_steps=2, eval_problems=4, eval_samples=1)  # threads tuned
     threads = torch.get_num_threads()
     path = tiny_start_checkpoint(tmp_path, sft=sft)
     assert torch.get_num_threads() == threads
@@ -214,6 +214,7 @@ def test_a_real_build_of_another_config_is_cached_and_loads(tmp_path):
     assert time.perf_counter() - t0 < 2.0 and {p.name: p.stat().st_mtime_ns for p in path.iterdir()} == stamps
     meta = json.loads((path / "tiny_start.json").read_text())
     assert meta["sft"]["steps"] == 6 and meta["greedy"]["n"] == 4
+    assert sum(meta["sft_steps_per_thread_count"].values()) == 6  # the tuner timed its candidates on real steps
     _, config = load_pretrained(path, dtype=torch.float32)
     assert config.num_hidden_layers == sft.num_hidden_layers
     assert tiny_start_checkpoint(tmp_path, sft=sft, force=True) == path
